@@ -1,0 +1,153 @@
+"""Tiny Hugging Face MoE blocks with random weights, and their `mok.fused_moe` arguments.
+
+Used by tests, benchmarks and the demo to compare the op against transformers'
+own modules. The family -> spec table below is written by hand from the HF
+sources; the compiler pass never uses it (it reads the graph's structure).
+Needs `transformers` (the `test` extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .ops.spec import ExpertSpec, RoutingSpec
+
+
+@dataclass(frozen=True)
+class BlockSizes:
+    hidden: int = 64
+    intermediate: int = 32
+    experts: int = 8
+    top_k: int = 2
+
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe")
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:  # pragma: no cover - exercised only without the extra
+        raise ImportError("mok_compile.hf_blocks needs transformers: pip install 'mok-compile[test]'") from err
+
+
+def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int = 2, **overrides):
+    """A tiny config of `family` (a transformers model type) with the given MoE sizes."""
+    _require_transformers()
+    import transformers as tf
+
+    H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
+    common = dict(hidden_size=H, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=128, max_position_embeddings=256, num_experts_per_tok=K)
+    if family == "mixtral":
+        cfg = tf.MixtralConfig(intermediate_size=I, num_local_experts=E, **common)
+    elif family == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(intermediate_size=2 * I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                                num_experts=E, norm_topk_prob=False, **common)
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(intermediate_size=2 * I, moe_intermediate_size=I, num_experts=E, norm_topk_prob=True,
+                                head_dim=H // 4, **common)
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(intermediate_size=I, num_experts=E, norm_topk_prob=False, **common)
+    elif family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=E,
+                                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **common)
+    elif family == "gpt_oss":
+        cfg = tf.GptOssConfig(intermediate_size=I, num_local_experts=E, head_dim=H // 4, sliding_window=64,
+                              layer_types=["sliding_attention", "full_attention"][:num_layers] * max(1, num_layers // 2),
+                              **common)
+    elif family == "granitemoe":
+        cfg = tf.GraniteMoeConfig(intermediate_size=I, num_local_experts=E, **common)
+    else:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def _block_class(family: str):
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    names = {
+        "mixtral": "MixtralSparseMoeBlock",
+        "qwen2_moe": "Qwen2MoeSparseMoeBlock",
+        "qwen3_moe": "Qwen3MoeSparseMoeBlock",
+        "olmoe": "OlmoeSparseMoeBlock",
+        "deepseek_v3": "DeepseekV3MoE",
+        "gpt_oss": "GptOssMLP",
+        "granitemoe": "GraniteMoeMoE",
+    }
+    return getattr(mod, names[family])
+
+
+def init_moe_weights_(module: torch.nn.Module, std: float = 0.02, seed: int = 0):
+    """Random weights for every parameter and float buffer (HF leaves some at torch.empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+            if not p.is_floating_point():
+                continue
+            scale = 1.0 if name.endswith("e_score_correction_bias") else std
+            if name.endswith("e_score_correction_bias"):
+                scale = 0.1
+            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.dtype))
+    return module
+
+
+def make_block(family: str, sizes: BlockSizes = BlockSizes(), dtype=torch.float32, device="cpu",
+               experts_implementation: str = "grouped_mm", seed: int = 0):
+    """One transformers MoE block of `family` with random weights, in eval mode."""
+    cfg = make_config(family, sizes)
+    cfg._experts_implementation = experts_implementation
+    block = _block_class(family)(cfg)
+    init_moe_weights_(block, seed=seed)
+    block = block.to(device=device, dtype=dtype).eval()
+    if family == "deepseek_v3":  # HF keeps this router in fp32 in a bf16 model
+        block.gate.float()
+    return block
+
+
+def routed_parts(family: str, block):
+    """(router module, experts module, RoutingSpec, ExpertSpec) of an HF block; shared experts stay outside."""
+    cfg = block.experts.config if hasattr(block.experts, "config") else None
+    K = getattr(cfg, "num_experts_per_tok", None)
+    if family == "mixtral":
+        return block.gate, block.experts, RoutingSpec(top_k=K, renormalize=True, weights_fp32=True), ExpertSpec()
+    if family in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        spec = RoutingSpec(top_k=K, renormalize=bool(cfg.norm_topk_prob), weights_fp32=False)
+        return block.gate, block.experts, spec, ExpertSpec()
+    if family == "deepseek_v3":
+        spec = RoutingSpec(top_k=K, routing="sigmoid_grouped_topk", router_fp32=True, renormalize=bool(cfg.norm_topk_prob),
+                           renorm_eps=1e-20, routed_scale=float(cfg.routed_scaling_factor), n_group=cfg.n_group,
+                           topk_group=cfg.topk_group, weights_fp32=True)
+        return block.gate, block.experts, spec, ExpertSpec()
+    if family == "gpt_oss":
+        spec = RoutingSpec(top_k=K, routing="topk_softmax", softmax_fp32=False, weights_fp32=False)
+        experts = ExpertSpec(activation="clamped_silu", interleaved=True, transposed=True,
+                             alpha=float(block.experts.alpha), limit=float(block.experts.limit))
+        return block.router, block.experts, spec, experts
+    if family == "granitemoe":
+        spec = RoutingSpec(top_k=K, routing="topk_softmax", softmax_fp32=True, weights_fp32=False)
+        return block.router, block.experts, spec, ExpertSpec()
+    raise ValueError(f"unknown family {family!r}")
+
+
+def op_arguments(family: str, block):
+    """Positional tensors and keyword scalars of `mok.fused_moe` equal to `block`'s routed experts."""
+    router, experts, routing, expert_spec = routed_parts(family, block)
+    tensors = (
+        router.weight,
+        getattr(router, "bias", None),
+        getattr(router, "e_score_correction_bias", None),
+        experts.gate_up_proj,
+        getattr(experts, "gate_up_proj_bias", None),
+        experts.down_proj,
+        getattr(experts, "down_proj_bias", None),
+    )
+    return tensors, {**dataclasses.asdict(routing), **dataclasses.asdict(expert_spec)}

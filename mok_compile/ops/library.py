@@ -1,0 +1,209 @@
+"""The `mok` op library: schema, input checks, fake kernels and autograd.
+
+`torch.ops.mok.fused_moe` computes router + experts of one MoE block in one
+call. Its output shapes depend only on input shapes (never on routing data), so
+it needs no host synchronisation and traces under dynamic shapes.
+
+    out, topk_weights, topk_ids = torch.ops.mok.fused_moe(
+        hidden_states [T, H], router [E, H] (or logits [T, E]), router_bias [E]?,
+        selection_bias [E]?, gate_up_proj [E, 2I, H], gate_up_bias [E, 2I]?,
+        down_proj [E, H, I], down_bias [E, H]?, *, top_k, routing, ...)
+
+Device kernels attach per dispatch key: the reference (`reference.py`) is the
+CompositeExplicitAutograd kernel every device falls back to, `cpu.py` overrides
+CPU with the C++ kernel and `mok_compile.kernels` overrides CUDA with Triton.
+The backward is its own op, `mok::fused_moe_backward`, with the same structure.
+New features (shared experts, dense weight-on-input routing, capacity limits)
+are added as trailing keyword arguments with defaults, which keeps old graphs
+and serialized programs valid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .spec import ExpertSpec, with_defaults
+
+_SCALARS = (
+    "int top_k, str routing='softmax_topk', bool router_is_logits=False, bool router_fp32=False, "
+    "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
+    "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
+    "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0"
+)
+_WEIGHTS = (
+    "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
+    "Tensor down_proj, Tensor? down_bias"
+)
+FUSED_MOE_SCHEMA = (
+    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
+    "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
+)
+FUSED_MOE_BACKWARD_SCHEMA = (
+    f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
+    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}) "
+    "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
+    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
+)
+
+lib = torch.library.Library("mok", "DEF")
+lib.define(FUSED_MOE_SCHEMA)
+lib.define(FUSED_MOE_BACKWARD_SCHEMA)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _fail(msg: str):
+    raise ValueError(f"mok.fused_moe: {msg}")
+
+
+def _check(cond, msg: str):
+    """torch._check keeps symbolic shapes symbolic; the message names the argument."""
+    torch._check(cond, lambda: f"mok.fused_moe: {msg}")
+
+
+def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                 down_bias, **kw):
+    """Validate shapes, dtypes and layouts; return (T, H, E, I). Shared by every kernel and the fake."""
+    kw = with_defaults(kw)
+    top_k, routing, router_is_logits, router_fp32 = kw["top_k"], kw["routing"], kw["router_is_logits"], kw["router_fp32"]
+    n_group, topk_group, gated, transposed = kw["n_group"], kw["topk_group"], kw["gated"], kw["transposed"]
+    activation = kw["activation"]
+    x = hidden_states
+    if x.dim() != 2:
+        _fail(f"hidden_states must be 2-D [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        _fail(f"hidden_states has unsupported dtype {x.dtype}; use float32, bfloat16, float16 or float64")
+    T, H = x.shape
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if w.dim() != 3:
+            _fail(f"{name} must be 3-D [E, ., .], got shape {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            _fail(f"{name} dtype {w.dtype} differs from hidden_states dtype {x.dtype}")
+    E = gate_up_proj.shape[0]
+    if down_proj.shape[0] != E:
+        _fail(f"down_proj has {down_proj.shape[0]} experts but gate_up_proj has {E}")
+    up_out = 2 if gated else 1
+    if transposed:  # [E, H, 2I] and [E, I, H]
+        gu_in, gu_out = gate_up_proj.shape[1], gate_up_proj.shape[2]
+        I = down_proj.shape[1]
+        down_shape_ok = down_proj.shape[2] == H
+        layout = "transposed layout [E, H, 2I] / [E, I, H]"
+    else:  # [E, 2I, H] and [E, H, I]
+        gu_out, gu_in = gate_up_proj.shape[1], gate_up_proj.shape[2]
+        I = down_proj.shape[2]
+        down_shape_ok = down_proj.shape[1] == H
+        layout = "F.linear layout [E, 2I, H] / [E, H, I]"
+    expected_gu = f"[{E}, {up_out}*{I}, {H}]" if not transposed else f"[{E}, {H}, {up_out}*{I}]"
+    if gu_in != H or gu_out != up_out * I:
+        _fail(f"gate_up_proj has shape {tuple(gate_up_proj.shape)}, expected {expected_gu} ({layout}, "
+              f"gated={gated}); is the weight layout (transposed={transposed}) right?")
+    if not down_shape_ok:
+        _fail(f"down_proj has shape {tuple(down_proj.shape)}, which does not match hidden size {H} in the "
+              f"{layout}; is the weight layout (transposed={transposed}) right?")
+    if gate_up_bias is not None and tuple(gate_up_bias.shape) != (E, up_out * I):
+        _fail(f"gate_up_bias must have shape [{E}, {up_out * I}], got {tuple(gate_up_bias.shape)}")
+    if down_bias is not None and tuple(down_bias.shape) != (E, H):
+        _fail(f"down_bias must have shape [{E}, {H}], got {tuple(down_bias.shape)}")
+    if router_is_logits:
+        if router.dim() != 2 or router.shape[1] != E:
+            _fail(f"router (logits) must be [T, {E}], got shape {tuple(router.shape)}")
+        _check(router.shape[0] == T, f"router logits have {router.shape[0]} rows but hidden_states has {T}")
+        if router_bias is not None:
+            _fail("router_bias must be None when router_is_logits=True")
+    else:
+        if router.dim() != 2 or tuple(router.shape) != (E, H):
+            _fail(f"router weight must be [{E}, {H}] (E, H), got shape {tuple(router.shape)}")
+        if not router_fp32 and router.dtype != x.dtype:
+            _fail(f"router dtype {router.dtype} differs from hidden_states dtype {x.dtype}; "
+                  "pass router_fp32=True for an fp32 router")
+        if router_bias is not None and tuple(router_bias.shape) != (E,):
+            _fail(f"router_bias must have shape [{E}], got {tuple(router_bias.shape)}")
+    if router.dtype not in _FLOAT_DTYPES:
+        _fail(f"router has unsupported dtype {router.dtype}")
+    if selection_bias is not None and tuple(selection_bias.shape) != (E,):
+        _fail(f"selection_bias must have shape [{E}], got {tuple(selection_bias.shape)}")
+    if not 1 <= top_k <= E:
+        _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
+    if routing not in ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk"):
+        _fail(f"routing={routing!r} is not supported")
+    if routing == "sigmoid_grouped_topk" and n_group > 1:
+        if E % n_group != 0 or E // n_group < 2:
+            _fail(f"n_group={n_group} must divide E={E} into groups of at least 2 experts")
+        if not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+            _fail(f"topk_group={topk_group} (n_group={n_group}) leaves fewer than top_k={top_k} experts")
+    try:
+        ExpertSpec(activation=activation, gated=gated)
+    except ValueError as err:
+        _fail(str(err))
+    return T, H, E, I
+
+
+def _routing_weights_dtype(x, weights_fp32):
+    return torch.float32 if weights_fp32 else x.dtype
+
+
+@torch.library.register_fake("mok::fused_moe")
+def _fused_moe_fake(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                    down_bias, **kw):
+    T, H, E, _ = check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias,
+                              down_proj, down_bias, **kw)
+    kw = with_defaults(kw)
+    K = kw["top_k"]
+    out = hidden_states.new_empty((T, H))
+    weights = hidden_states.new_empty((T, K), dtype=_routing_weights_dtype(hidden_states, kw["weights_fp32"]))
+    ids = hidden_states.new_empty((T, K), dtype=torch.int64)
+    return out, weights, ids
+
+
+@torch.library.register_fake("mok::fused_moe_backward")
+def _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
+                             gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
+    return (
+        torch.empty_like(hidden_states),
+        torch.empty_like(router),
+        None if router_bias is None else torch.empty_like(router_bias),
+        torch.empty_like(gate_up_proj),
+        None if gate_up_bias is None else torch.empty_like(gate_up_bias),
+        torch.empty_like(down_proj),
+        None if down_bias is None else torch.empty_like(down_bias),
+    )
+
+
+def _reference_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                       down_bias, **kw):
+    check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                 down_bias, **kw)
+    return reference.fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate_up_proj,
+                                         gate_up_bias, down_proj, down_bias, **kw)
+
+
+lib.impl("fused_moe", _reference_forward, "CompositeExplicitAutograd")
+lib.impl("fused_moe_backward", reference.fused_moe_backward_reference, "CompositeExplicitAutograd")
+
+# ----------------------------------------------------------------------------- autograd
+
+_TENSOR_ARGS = ("hidden_states", "router", "router_bias", "selection_bias", "gate_up_proj", "gate_up_bias",
+                "down_proj", "down_bias")
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    _, topk_weights, topk_ids = output
+    ctx.save_for_backward(*inputs, topk_weights, topk_ids)
+    ctx.scalars = dict(keyword_only_inputs)
+    ctx.mark_non_differentiable(topk_ids)
+
+
+def _backward(ctx, grad_out, grad_topk_weights, _grad_ids):
+    saved = ctx.saved_tensors
+    tensors, topk_weights, topk_ids = saved[:8], saved[8], saved[9]
+    if grad_out is None:
+        grad_out = torch.zeros_like(tensors[0])
+    grads = torch.ops.mok.fused_moe_backward(grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids,
+                                             **ctx.scalars)
+    d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = grads
+    # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
+    return d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias
+
+
+torch.library.register_autograd("mok::fused_moe", _backward, setup_context=_setup_context)

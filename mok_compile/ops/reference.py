@@ -1,0 +1,328 @@
+"""Plain-PyTorch reference of `mok::fused_moe`: the oracle for every kernel.
+
+The forward follows Hugging Face transformers 5.x op by op, in the same dtypes
+(router math in fp32 where HF does it, expert math in the input dtype, the
+weighted sum over the k experts in the routing weights' dtype), so that on a
+tiny HF model it reproduces the module's output. The backward
+(`fused_moe_backward_reference`) is written out by hand rather than traced, and
+computes in fp32 (fp64 for fp64 inputs); kernels are checked against both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def router_logits(x, router, router_bias, *, router_is_logits, router_fp32):
+    """[T, E] logits, computed the way the HF router does."""
+    if router_is_logits:
+        return router
+    if router_fp32:
+        bias = None if router_bias is None else router_bias.float()
+        return F.linear(x.float(), router.float(), bias)
+    return F.linear(x, router, router_bias)
+
+
+def _renorm_and_scale(w, *, renormalize, renorm_eps, routed_scale):
+    if renormalize:
+        denom = w.sum(dim=-1, keepdim=True)
+        if renorm_eps:
+            denom = denom + renorm_eps
+        w = w / denom
+    if routed_scale != 1.0:
+        w = w * routed_scale
+    return w
+
+
+def _grouped_choice(choice, n_group, topk_group):
+    """DeepSeek-V3 group-limited selection: mask all but the best groups with -inf."""
+    T, E = choice.shape
+    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
+    return choice.masked_fill(~score_mask.bool(), float("-inf"))
+
+
+def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
+          renorm_eps, routed_scale, n_group, topk_group, weights_fp32):
+    """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
+    if routing == "softmax_topk":
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32 if softmax_fp32 else logits.dtype)
+        w, ids = torch.topk(probs, top_k, dim=-1)
+    elif routing == "topk_softmax":
+        scores = logits.float() if softmax_fp32 else logits
+        top, ids = torch.topk(scores, top_k, dim=-1)
+        w = F.softmax(top, dim=-1, dtype=top.dtype)
+    elif routing == "sigmoid_grouped_topk":
+        scores = logits.float().sigmoid()
+        choice = scores if selection_bias is None else scores + selection_bias
+        if n_group > 1:
+            choice = _grouped_choice(choice, n_group, topk_group)
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+    else:
+        raise ValueError(f"unknown routing {routing!r}")
+    w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale)
+    w = w.float() if weights_fp32 else w.to(x_dtype)
+    return w, ids
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def _split_gate_up(h, interleaved):
+    if interleaved:
+        return h[..., ::2], h[..., 1::2]
+    return h.chunk(2, dim=-1)
+
+
+def activate(h, *, activation, gated, interleaved, alpha, limit):
+    """Expert activation on the gate_up projection output, op by op as HF writes it."""
+    if gated:
+        gate, up = _split_gate_up(h, interleaved)
+        if activation == "silu":
+            return F.silu(gate) * up
+        if activation == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
+        if activation == "clamped_silu":
+            gate = gate.clamp(min=None, max=limit)
+            up = up.clamp(min=-limit, max=limit)
+            glu = gate * torch.sigmoid(gate * alpha)
+            return (up + 1) * glu
+    else:
+        if activation == "relu2":
+            return torch.square(F.relu(h))
+        if activation == "relu":
+            return F.relu(h)
+        if activation == "silu":
+            return F.silu(h)
+        if activation == "gelu":
+            return F.gelu(h)
+        if activation == "gelu_tanh":
+            return F.gelu(h, approximate="tanh")
+    raise ValueError(f"unknown activation {activation!r} (gated={gated})")
+
+
+def _project(x, weight, bias, transposed):
+    """x @ W (transposed layout) or F.linear layout; bias added after the product like HF's grouped path."""
+    out = x @ weight if transposed else x @ weight.t()
+    return out if bias is None else out + bias
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
+    """Stable order of the T*K (token, slot) pairs by expert, and per-expert counts."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, counts
+
+
+def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *,
+                      activation, gated, interleaved, transposed, alpha, limit):
+    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E = gate_up_proj.shape[0]
+    order, counts = group_by_expert(topk_ids, E)
+    xs = x[order // K]
+    ys = x.new_empty(T * K, H)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        h = _project(xs[rows], gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e], transposed)
+        a = activate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
+        ys[rows] = _project(a, down_proj[e], None if down_bias is None else down_bias[e], transposed)
+        start += n
+    y = torch.empty_like(ys)
+    y[order] = ys
+    out = (y.view(T, K, H) * topk_weights.unsqueeze(-1)).sum(dim=1)
+    return out.to(x.dtype)
+
+
+def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias,
+                        down_proj, down_bias, *, top_k, routing="softmax_topk", router_is_logits=False,
+                        router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
+                        routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
+                        gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0):
+    """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
+    x = hidden_states
+    logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
+    w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=top_k, routing=routing,
+                   softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
+                   routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32)
+    out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
+                            gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+    return out, w, ids
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def activation_backward(h, da, *, activation, gated, interleaved, alpha, limit):
+    """d(loss)/d(h) for the activation, given d(loss)/d(activation output). Explicit derivatives."""
+    if gated:
+        g, u = _split_gate_up(h, interleaved)
+        if activation == "silu":
+            sg = torch.sigmoid(g)
+            dg = da * u * sg * (1 + g * (1 - sg))
+            du = da * g * sg
+        elif activation == "gelu_tanh":
+            dg = da * u * _gelu_tanh_grad(g)
+            du = da * F.gelu(g, approximate="tanh")
+        elif activation == "clamped_silu":
+            gc = g.clamp(max=limit)
+            uc = u.clamp(min=-limit, max=limit)
+            s = torch.sigmoid(alpha * gc)
+            dg = (da * (uc + 1) * (s + alpha * gc * s * (1 - s))) * (g <= limit)
+            du = (da * gc * s) * ((u >= -limit) & (u <= limit))
+        else:
+            raise ValueError(f"unknown gated activation {activation!r}")
+        if interleaved:
+            return torch.stack((dg, du), dim=-1).flatten(-2)
+        return torch.cat((dg, du), dim=-1)
+    if activation == "relu2":
+        return da * 2 * F.relu(h)
+    if activation == "relu":
+        return da * (h > 0)
+    if activation == "silu":
+        s = torch.sigmoid(h)
+        return da * s * (1 + h * (1 - s))
+    if activation == "gelu":
+        return da * (0.5 * (1 + torch.erf(h / math.sqrt(2))) + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi))
+    if activation == "gelu_tanh":
+        return da * _gelu_tanh_grad(h)
+    raise ValueError(f"unknown ungated activation {activation!r}")
+
+
+def _gelu_tanh_grad(x):
+    c = math.sqrt(2.0 / math.pi)
+    z = c * (x + 0.044715 * x**3)
+    t = torch.tanh(z)
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+
+
+def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renormalize, renorm_eps, routed_scale):
+    """d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights), all in the accumulation dtype."""
+    acc = grad_w.dtype
+    l = logits.to(acc)
+    if routing == "softmax_topk":
+        base = torch.softmax(l, dim=-1)
+        w0 = base.gather(1, topk_ids)
+    elif routing == "topk_softmax":
+        w0 = torch.softmax(l.gather(1, topk_ids), dim=-1)
+    else:
+        base = torch.sigmoid(l)
+        w0 = base.gather(1, topk_ids)
+    d = grad_w * routed_scale
+    if renormalize:
+        denom = w0.sum(dim=-1, keepdim=True) + renorm_eps
+        w1 = w0 / denom
+        d = (d - (d * w1).sum(dim=-1, keepdim=True)) / denom
+    if routing == "softmax_topk":
+        dp = torch.zeros_like(l).scatter_(1, topk_ids, d)
+        return base * (dp - (base * dp).sum(dim=-1, keepdim=True))
+    if routing == "topk_softmax":
+        dtop = w0 * (d - (w0 * d).sum(dim=-1, keepdim=True))
+        return torch.zeros_like(l).scatter_(1, topk_ids, dtop)
+    ds = torch.zeros_like(l).scatter_(1, topk_ids, d)
+    return ds * base * (1 - base)
+
+
+def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
+                                 gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, *,
+                                 top_k, routing="softmax_topk", router_is_logits=False, router_fp32=False,
+                                 softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
+                                 topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
+                                 transposed=False, alpha=1.702, limit=7.0):
+    """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order.
+
+    Returns (grad_hidden_states, grad_router, grad_router_bias, grad_gate_up_proj, grad_gate_up_bias,
+    grad_down_proj, grad_down_bias); bias gradients are None where the bias is None.
+    """
+    x = hidden_states
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E = gate_up_proj.shape[0]
+    acc = _acc_dtype(x.dtype)
+    xa, go = x.to(acc), grad_out.to(acc)
+    w1s, w2s = gate_up_proj.to(acc), down_proj.to(acc)
+    b1s = None if gate_up_bias is None else gate_up_bias.to(acc)
+    b2s = None if down_bias is None else down_bias.to(acc)
+    wts = topk_weights.to(acc)
+
+    d_x = torch.zeros_like(xa)
+    d_w1 = torch.zeros_like(w1s)
+    d_w2 = torch.zeros_like(w2s)
+    d_b1 = None if b1s is None else torch.zeros_like(b1s)
+    d_b2 = None if b2s is None else torch.zeros_like(b2s)
+    d_wts = torch.zeros(T * K, dtype=acc, device=x.device)
+
+    order, counts = group_by_expert(topk_ids, E)
+    tok = order // K
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        t = tok[start:start + n]
+        start += n
+        xe = xa[t]
+        h = _project(xe, w1s[e], None if b1s is None else b1s[e], transposed)
+        a = activate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
+        y = _project(a, w2s[e], None if b2s is None else b2s[e], transposed)
+        d_wts[pairs] = (go[t] * y).sum(dim=-1)
+        dy = go[t] * wts.view(-1)[pairs].unsqueeze(-1)
+        if transposed:  # y = a @ W2, W2: [I, H]
+            d_w2[e] = a.t() @ dy
+            da = dy @ w2s[e].t()
+        else:  # y = a @ W2^T, W2: [H, I]
+            d_w2[e] = dy.t() @ a
+            da = dy @ w2s[e]
+        dh = activation_backward(h, da, activation=activation, gated=gated, interleaved=interleaved,
+                                 alpha=alpha, limit=limit)
+        if transposed:
+            d_w1[e] = xe.t() @ dh
+            dxe = dh @ w1s[e].t()
+        else:
+            d_w1[e] = dh.t() @ xe
+            dxe = dh @ w1s[e]
+        if d_b1 is not None:
+            d_b1[e] = dh.sum(dim=0)
+        if d_b2 is not None:
+            d_b2[e] = dy.sum(dim=0)
+        d_x.index_add_(0, t, dxe)
+
+    d_wts = d_wts.view(T, K)
+    if grad_topk_weights is not None:
+        d_wts = d_wts + grad_topk_weights.to(acc)
+    logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
+    d_logits = routing_backward(logits, topk_weights, topk_ids, d_wts, routing=routing, renormalize=renormalize,
+                                renorm_eps=renorm_eps, routed_scale=routed_scale)
+    if router_is_logits:
+        d_router, d_router_bias = d_logits.to(router.dtype), None
+    else:
+        d_router = (d_logits.t() @ xa).to(router.dtype)
+        d_x += d_logits @ router.to(acc)
+        d_router_bias = None if router_bias is None else d_logits.sum(dim=0).to(router_bias.dtype)
+    return (
+        d_x.to(x.dtype),
+        d_router,
+        d_router_bias,
+        d_w1.to(gate_up_proj.dtype),
+        None if d_b1 is None else d_b1.to(gate_up_bias.dtype),
+        d_w2.to(down_proj.dtype),
+        None if d_b2 is None else d_b2.to(down_bias.dtype),
+    )

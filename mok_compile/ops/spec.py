@@ -1,0 +1,126 @@
+"""What one fused MoE block computes, as plain data.
+
+`RoutingSpec` and `ExpertSpec` are the Python face of the scalar arguments of
+`torch.ops.mok.fused_moe`. The detection pass fills them from a matched graph,
+tests fill them by hand, and `op_kwargs()` turns them into the op's keyword
+arguments, so the op's schema is spelled in one place (`library.py`).
+
+Routing families (see shared/moe-semantics.md):
+
+- ``softmax_topk`` (A): ``softmax(logits)`` -> ``topk`` -> optional renormalise
+  -> scale. Mixtral, Qwen2/3-MoE, OLMoE, Jamba, ...
+- ``topk_softmax`` (B): ``topk(logits)`` -> ``softmax`` over the k. Granite-MoE,
+  GPT-OSS, JetMoE, ...
+- ``sigmoid_grouped_topk`` (C): ``sigmoid(logits)`` + selection bias (used only
+  to choose) -> keep the best ``topk_group`` of ``n_group`` groups (group score =
+  sum of its top-2) -> ``topk`` -> gather the unbiased scores -> renormalise ->
+  scale. DeepSeek-V3, GLM4-MoE, Kimi, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk")
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu")
+UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How router logits become (topk_weights, topk_ids), with HF's precision.
+
+    router_is_logits: the op's ``router`` argument is ``[T, E]`` logits computed
+        outside the op (the graph needs them, e.g. for an auxiliary loss) rather
+        than the ``[E, H]`` router weight.
+    router_fp32: logits are ``linear(x.float(), W.float())`` (DeepSeek-V3 keeps
+        its router in fp32); otherwise they are computed in the input dtype.
+    softmax_fp32: softmax (A, B) runs on fp32 logits; otherwise in the logits'
+        dtype (GPT-OSS does its softmax in bf16).
+    weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
+        weighted sum over the k experts is done in fp32; otherwise they are cast
+        to the input dtype first (Qwen, Granite, GPT-OSS).
+    renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
+    """
+
+    top_k: int
+    routing: str = "softmax_topk"
+    router_is_logits: bool = False
+    router_fp32: bool = False
+    softmax_fp32: bool = True
+    renormalize: bool = False
+    renorm_eps: float = 0.0
+    routed_scale: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    weights_fp32: bool = True
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing={self.routing!r} is not one of {ROUTINGS}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"need 1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}"
+            )
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """The math of one expert MLP and the layout of its stacked weights.
+
+    gated: ``gate_up_proj`` holds gate and up halves (``[E, 2I, H]``);
+        otherwise it is a single up projection (``[E, I, H]``).
+    interleaved: gate/up columns alternate (``gate = h[..., ::2]``, GPT-OSS)
+        instead of being concatenated (``gate, up = h.chunk(2)``).
+    transposed: weights are stored ``[E, H, 2I]`` / ``[E, I, H]`` and applied
+        as ``x @ W`` (GPT-OSS) instead of ``F.linear`` layout ``[E, 2I, H]`` /
+        ``[E, H, I]``.
+    activation: for gated experts ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or
+        ``clamped_silu`` (GPT-OSS: ``(clamp(u,-limit,limit)+1) * g*sigmoid(alpha*g)``
+        with ``g = min(g, limit)``); for ungated ones ``relu2``, ``relu``,
+        ``silu``, ``gelu`` or ``gelu_tanh``.
+    """
+
+    activation: str = "silu"
+    gated: bool = True
+    interleaved: bool = False
+    transposed: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        allowed = GATED_ACTIVATIONS if self.gated else UNGATED_ACTIVATIONS
+        if self.activation not in allowed:
+            kind = "gated" if self.gated else "ungated"
+            raise ValueError(f"activation={self.activation!r} is not supported for {kind} experts; use one of {allowed}")
+        if self.interleaved and not self.gated:
+            raise ValueError("interleaved=True needs gated experts")
+
+
+def op_kwargs(routing: RoutingSpec, experts: ExpertSpec) -> dict:
+    """The keyword arguments of `torch.ops.mok.fused_moe` for these specs."""
+    return {**dataclasses.asdict(routing), **dataclasses.asdict(experts)}
+
+
+def scalar_defaults() -> dict:
+    """Defaults of the op's keyword arguments (the dispatcher omits arguments left at their default)."""
+    return {f.name: f.default for cls in (RoutingSpec, ExpertSpec) for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}
+
+
+def with_defaults(kwargs: dict) -> dict:
+    """The op's full keyword arguments: `kwargs` completed with the schema defaults."""
+    return {**scalar_defaults(), **kwargs}
+
+
+def specs_from_kwargs(kwargs: dict) -> tuple[RoutingSpec, ExpertSpec]:
+    """Inverse of `op_kwargs` (used by kernels and reports reading a graph node)."""
+    r_names = {f.name for f in dataclasses.fields(RoutingSpec)}
+    e_names = {f.name for f in dataclasses.fields(ExpertSpec)}
+    return (
+        RoutingSpec(**{k: v for k, v in kwargs.items() if k in r_names}),
+        ExpertSpec(**{k: v for k, v in kwargs.items() if k in e_names}),
+    )
