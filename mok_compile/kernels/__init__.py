@@ -1,0 +1,1 @@
+"""GPU (Triton) kernels of `mok::fused_moe`. Being written."""

@@ -5,6 +5,8 @@ device kernels attach themselves on import of `cpu` and `mok_compile.kernels`.
 """
 
 from . import library  # noqa: F401  (registers the ops)
+from . import cpu  # noqa: F401  (CPU kernel: C++, built on first use)
+from .. import kernels  # noqa: F401  (CUDA kernels: Triton, imported on first use)
 from .spec import ExpertSpec, RoutingSpec, op_kwargs, specs_from_kwargs
 
 __all__ = ["ExpertSpec", "RoutingSpec", "op_kwargs", "specs_from_kwargs", "fused_moe"]
