@@ -1,9 +1,98 @@
-"""The `mok` torch.compile backend (placeholder until the detection pass lands)."""
+"""The `mok` torch.compile backend: fuse MoE blocks, then hand the graph on.
+
+    torch.compile(model, backend="mok", options={"compiler": "inductor", "validate": True, "strict": False})
+
+Dynamo calls `mok_backend(gm, example_inputs, options=..., mode=...)` with a
+torch-level FX graph. The MoE rewrite (`mok_compile.passes.fuse_moe`) runs on
+that graph, *before* AOT autograd, so AOT autograd sees one
+`mok.fused_moe` node and training runs the op's own fused backward. The
+rewritten graph then goes to the inner compiler exactly as `backend="inductor"`
+(or `"aot_eager"`) would receive it, so a graph without MoE compiles to the
+same code as plain inductor.
+
+Registered by name through the `torch_dynamo_backends` entry point in
+pyproject.toml (`mok = "mok_compile.backend:mok_backend"`).
+"""
 
 from __future__ import annotations
 
+import copy
+import logging
+from typing import Callable, Sequence
 
-def mok_backend(gm, example_inputs, **kwargs):
-    from torch._inductor.compile_fx import compile_fx
+import torch
 
-    return compile_fx(gm, example_inputs, **kwargs)
+from . import diagnostics
+from .config import BackendOptions, parse_options
+
+log = logging.getLogger("mok_compile.backend")
+diagnostics.configure_logging()
+
+
+def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: dict | None = None,
+                mode: str | None = None) -> Callable:
+    """Dynamo backend: rewrite every provable MoE block of `gm`, then compile with the inner compiler."""
+    opts = parse_options(options, mode)
+    fuse_graph(gm, example_inputs, opts)
+    return compile_inner(gm, example_inputs, opts)
+
+
+def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: BackendOptions = BackendOptions()):
+    """Run the MoE pass on `gm` in place; return its FuseReport (None if the pass itself failed).
+
+    The pass never raises for a block it cannot prove (it reports it). An
+    exception from it is a bug in the pass: unless `strict`, the graph is put
+    back as it was and compiled without fusion, so a user's compile never
+    fails because of us.
+    """
+    from mok_compile.passes import fuse_moe
+
+    saved_graph = None if opts.strict else copy.deepcopy(gm.graph)
+    try:
+        report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict)
+    except Exception:
+        if opts.strict:
+            raise
+        log.warning("mok: the MoE pass failed on graph %s; compiling it unfused", _graph_name(gm), exc_info=True)
+        gm.graph = saved_graph
+        gm.recompile()
+        return None
+    if report.blocks:
+        log.info("mok: graph %s: fused %d of %d MoE block(s)", _graph_name(gm), len(report.fused), len(report.blocks))
+    diagnostics.warn_eager_fragments(report)
+    return report
+
+
+def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: BackendOptions) -> Callable:
+    """Hand `gm` to the inner compiler, the way `torch.compile(backend=opts.compiler)` would."""
+    if opts.compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = opts.inductor_patches()
+        if patches.get("triton.cudagraphs"):
+            _state["used_cudagraphs"] = True
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    if opts.compiler == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    return gm.forward
+
+
+_state = {"used_cudagraphs": False}
+
+
+def _reset():
+    """Called by `torch._dynamo.reset()`: drop the cudagraph trees a `reduce-overhead` compile made (as inductor does)."""
+    if _state["used_cudagraphs"]:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+        _state["used_cudagraphs"] = False
+
+
+mok_backend.reset = _reset
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    return getattr(gm, "_mok_name", None) or type(gm).__name__

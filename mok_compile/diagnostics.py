@@ -1,0 +1,210 @@
+"""What the `mok` backend did and why: logging set-up, user warnings, `explain`.
+
+Logging: every decision goes to the `mok_compile` logger (the pass logs under
+`mok_compile.passes`). Nothing is printed by default except warnings; set
+``MOK_LOG_LEVEL=INFO`` (or ``DEBUG``) to see each fused / rejected block, the
+way ``TORCH_LOGS`` works for torch.
+
+`explain(model, *inputs)` runs Dynamo once with a backend that only records
+the graphs, runs the MoE pass on a copy of each and executes the original graph
+eagerly, then prints which MoE blocks would be fused, which not and why, and
+the graph breaks Dynamo produced.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+LOGGER_NAME = "mok_compile"
+LOG_LEVEL_ENV = "MOK_LOG_LEVEL"
+log = logging.getLogger("mok_compile.diagnostics")
+
+EAGER_FRAGMENT_FORM = "eager_fragment"
+EAGER_FRAGMENT_FIX = (
+    'model.set_experts_implementation("grouped_mm")  '
+    '(or from_pretrained(..., experts_implementation="grouped_mm"))'
+)
+
+
+def configure_logging(level: str | int | None = None) -> None:
+    """Send `mok_compile` logs to stderr at `level` (default: ``$MOK_LOG_LEVEL``; unset: leave logging alone)."""
+    source = "level"
+    if level is None:
+        level, source = os.environ.get(LOG_LEVEL_ENV), LOG_LEVEL_ENV
+    if level in (None, ""):
+        return
+    if isinstance(level, str):
+        name = level.strip().upper()
+        level = {"+": "DEBUG"}.get(name, name)
+        if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"{source}={name!r}: use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    logger = logging.getLogger(LOGGER_NAME)
+    if not any(getattr(h, "_mok_handler", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler._mok_handler = True
+        handler.setFormatter(logging.Formatter("[mok] %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False  # our handler prints it; don't print twice through the root logger
+    logger.setLevel(level)
+
+
+_warned = {"eager_fragment": False}
+
+
+def warn_eager_fragments(report) -> None:
+    """Warn once per process when transformers' `experts_implementation="eager"` loop is seen.
+
+    That loop (`nonzero` + a Python loop over experts) breaks the Dynamo graph
+    into fragments no pass can fuse; the fix is a one-line switch of the
+    experts implementation, so we tell the user instead of staying silent.
+    """
+    fragments = [b for b in report.blocks if b.form == EAGER_FRAGMENT_FORM and not b.fused]
+    for b in fragments:
+        log.info("mok: eager-experts fragment at %s not fused: %s", b.name, b.reason)
+    if not fragments or _warned["eager_fragment"]:
+        return
+    _warned["eager_fragment"] = True
+    b = fragments[0]
+    warnings.warn(
+        f"mok: MoE block {b.name} uses transformers' experts_implementation='eager' ({b.reason}); "
+        f"it is compiled unfused. Fix: {EAGER_FRAGMENT_FIX}. (Warned once; MOK_LOG_LEVEL=INFO lists every block.)",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# explain
+
+
+@dataclass
+class ExplainReport:
+    """What `backend="mok"` would do with a model: MoE blocks found, fused or not, and Dynamo's graph breaks."""
+
+    blocks: list = field(default_factory=list)  # BlockReport, in graph order
+    graph_count: int = 0
+    graph_break_count: int = 0
+    break_reasons: list[str] = field(default_factory=list)
+    pass_errors: list[str] = field(default_factory=list)  # the pass raised (a bug): graph left unfused
+
+    @property
+    def fused(self):
+        return [b for b in self.blocks if b.fused]
+
+    @property
+    def rejected(self):
+        return [b for b in self.blocks if not b.fused]
+
+    def __str__(self) -> str:
+        lines = [
+            f"mok explain: {len(self.blocks)} MoE block(s) found, {len(self.fused)} fused, "
+            f"{len(self.rejected)} not fused; {self.graph_count} graph(s), {self.graph_break_count} graph break(s)"
+        ]
+        for b in self.blocks:
+            lines.append(f"  {'FUSED    ' if b.fused else 'NOT FUSED'} {b.name}: {describe_block(b)}")
+            if not b.fused:
+                lines.append(f"            reason: {b.reason}")
+            if b.form == EAGER_FRAGMENT_FORM and not b.fused:
+                lines.append(f"            fix: {EAGER_FRAGMENT_FIX}")
+        for err in self.pass_errors:
+            lines.append(f"  PASS ERROR (graph compiled unfused): {err}")
+        if self.break_reasons:
+            lines.append("graph breaks:")
+            lines += [f"  - {r}" for r in self.break_reasons]
+        return "\n".join(lines)
+
+
+def describe_block(b) -> str:
+    """One line: E, top-k, H, I, routing family, expert variant, dtype, form."""
+
+    def show(v):
+        return "?" if v is None else v
+
+    parts = [f"E={show(b.num_experts)}", f"top_k={show(b.top_k)}", f"H={show(b.hidden)}",
+             f"I={show(b.intermediate)}"]
+    if b.routing is not None:
+        r = b.routing
+        routing = r.routing
+        extras = [name for name, on in (("renorm", r.renormalize), ("logits_kept", r.router_is_logits)) if on]
+        if r.routed_scale != 1.0:
+            extras.append(f"scale={r.routed_scale:g}")
+        if r.n_group > 1:
+            extras.append(f"groups={r.topk_group}/{r.n_group}")
+        parts.append(routing + (f"({', '.join(extras)})" if extras else ""))
+    if b.experts is not None:
+        e = b.experts
+        flags = [name for name, on in (("ungated", not e.gated), ("interleaved", e.interleaved),
+                                       ("transposed", e.transposed)) if on]
+        parts.append(e.activation + (f"({', '.join(flags)})" if flags else ""))
+    if b.dtype is not None:
+        parts.append(str(b.dtype).replace("torch.", ""))
+    if b.form:
+        parts.append(f"form={b.form}")
+    return " ".join(str(p) for p in parts)
+
+
+def _short_reason(text: str) -> str:
+    """Dynamo's break reasons run over many lines; keep the title and its explanation."""
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    if not lines:
+        return "?"
+    explanation = next((ln[len("Explanation:"):].strip() for ln in lines if ln.startswith("Explanation:")), "")
+    return f"{lines[0]}: {explanation}" if explanation else lines[0]
+
+
+def _break_reason_line(reason) -> str:
+    where = ""
+    stack = getattr(reason, "user_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        where = f" ({os.path.basename(frame.filename)}:{frame.lineno})"
+    return _short_reason(reason.reason) + where
+
+
+def explain(model, *example_inputs, validate: bool = True, **kwargs) -> ExplainReport:
+    """Run `model(*example_inputs, **kwargs)` once through Dynamo, report what `backend="mok"` would fuse.
+
+    Like `torch._dynamo.explain`, this resets Dynamo's caches before and after
+    (the capture must see fresh graphs). The model runs eagerly: the MoE pass
+    works on copies of the captured graphs, so nothing is compiled.
+    """
+    from torch._dynamo.utils import counters
+
+    from mok_compile.passes import fuse_moe
+
+    report = ExplainReport()
+    located = []  # break reasons of the graphs we received, with the user's source line
+
+    def capture(gm: torch.fx.GraphModule, inputs):
+        report.graph_count += 1
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is not None and getattr(reason, "graph_break", False):
+            located.append(reason)
+        work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        try:
+            report.blocks += fuse_moe(work, inputs, validate=validate, strict=False).blocks
+        except Exception as err:  # a bug in the pass must not hide the rest of the report
+            report.pass_errors.append(f"graph {report.graph_count}: {type(err).__name__}: {err}")
+        return gm.forward
+
+    torch._dynamo.reset()
+    breaks_before = dict(counters["graph_break"])
+    try:
+        torch.compile(model, backend=capture)(*example_inputs, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    new_breaks = {r: n - breaks_before.get(r, 0) for r, n in counters["graph_break"].items()}
+    new_breaks = {r: n for r, n in new_breaks.items() if n > 0}
+    # Every break counts; breaks with a graph behind them also say where in the user's code they happened.
+    report.graph_break_count = max(sum(new_breaks.values()), len(located))
+    report.break_reasons = [_break_reason_line(r) for r in located]
+    seen = {_short_reason(r.reason) for r in located}
+    report.break_reasons += [_short_reason(r) for r in new_breaks if _short_reason(r) not in seen]
+    print(report)
+    return report
