@@ -1,0 +1,101 @@
+"""Backend options: parsing, errors naming the bad option, and what reaches the pass and the inner compiler."""
+
+import pytest
+import torch
+
+import mok_compile.passes
+from mok_compile import backend
+from mok_compile.config import BackendOptions, parse_options
+
+
+def test_defaults():
+    opts = parse_options(None)
+    assert opts == BackendOptions(compiler="inductor", validate=True, strict=False)
+    assert opts.inductor_patches() == {}
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['compilr'\].*'compiler', 'validate', 'strict'"):
+        parse_options({"compilr": "eager"})
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"compiler": "tensorrt"}, "'compiler'='tensorrt' is not one of"),
+    ({"validate": "yes"}, "'validate' must be a bool"),
+    ({"strict": 1}, "'strict' must be a bool"),
+    ({"inductor_config": ["max_autotune"]}, "'inductor_config' must be a dict"),
+    ({"compiler": "aot_eager", "inductor_config": {"max_autotune": True}}, "only apply to compiler='inductor'"),
+])
+def test_bad_values_name_the_option(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        parse_options(options)
+
+
+def test_mode_becomes_inductor_patches_and_inductor_config_overrides_it():
+    opts = parse_options({"inductor_config": {"triton.cudagraphs": False}}, mode="reduce-overhead")
+    assert opts.inductor_patches() == {"triton.cudagraphs": False}
+    assert parse_options(None, mode="max-autotune").inductor_patches()["max_autotune"] is True
+    with pytest.raises(ValueError, match="only apply to compiler='inductor'"):
+        parse_options({"compiler": "eager"}, mode="max-autotune")
+
+
+def test_backend_is_found_by_name():
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "mok" in list_backends(exclude_tags=())
+    assert lookup_backend("mok") is backend.mok_backend
+
+
+def test_unknown_option_through_torch_compile_is_a_clear_error():
+    f = torch.compile(lambda x: x + 1, backend="mok", options={"validat": False})
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['validat'\]"):
+        f(torch.ones(3))
+
+
+@pytest.fixture
+def pass_calls(monkeypatch):
+    """Record the arguments the backend gives the real pass."""
+    calls = []
+    real = mok_compile.passes.fuse_moe
+
+    def spy(gm, example_inputs, *, validate=True, strict=False):
+        calls.append(dict(validate=validate, strict=strict, graph=gm))
+        return real(gm, example_inputs, validate=validate, strict=strict)
+
+    monkeypatch.setattr(mok_compile.passes, "fuse_moe", spy)
+    return calls
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("validate, strict", [(True, False), (False, True)])
+def test_options_reach_the_pass_and_the_inner_compiler(pass_calls, monkeypatch, compiler, validate, strict):
+    inner = []
+    real_inner = backend.compile_inner
+    monkeypatch.setattr(backend, "compile_inner",
+                        lambda gm, ex, opts: inner.append(opts.compiler) or real_inner(gm, ex, opts))
+    x = torch.randn(4, 8)
+    f = torch.compile(lambda x: torch.relu(x) * 2, backend="mok",
+                      options={"compiler": compiler, "validate": validate, "strict": strict})
+    torch.testing.assert_close(f(x), torch.relu(x) * 2, rtol=0, atol=0)
+    assert [(c["validate"], c["strict"]) for c in pass_calls] == [(validate, strict)]
+    assert inner == [compiler]
+
+
+def test_a_crash_in_the_pass_compiles_the_graph_unfused(monkeypatch, caplog):
+    def broken(gm, example_inputs, *, validate=True, strict=False):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function":
+                node.target = torch.sub  # half-rewritten graph, then a crash
+        raise RuntimeError("bug in the pass")
+
+    monkeypatch.setattr(mok_compile.passes, "fuse_moe", broken)
+    x = torch.randn(5)
+    with caplog.at_level("WARNING", logger="mok_compile"):
+        out = torch.compile(lambda x: torch.add(x, 1), backend="mok", options={"compiler": "eager"})(x)
+    torch.testing.assert_close(out, x + 1, rtol=0, atol=0)
+    assert "the MoE pass failed" in caplog.text
+
+    torch._dynamo.reset()
+    strict = torch.compile(lambda x: torch.add(x, 1), backend="mok", options={"compiler": "eager", "strict": True})
+    with pytest.raises(Exception, match="bug in the pass"):
+        strict(x)
