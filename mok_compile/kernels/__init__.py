@@ -1,1 +1,56 @@
-"""GPU (Triton) kernels of `mok::fused_moe`. Being written."""
+"""GPU kernels of `mok::fused_moe` (Triton), registered for the CUDA dispatch key.
+
+Importing this package only registers thin CUDA entry points; Triton and the
+kernel modules are imported on the first CUDA call, so `import mok_compile`
+stays free of Triton. Where Triton cannot be imported, or for fp64 (Triton's
+fp64 dot is not worth a code path), the CUDA entry points run the reference
+with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ..ops import library, reference
+from ..ops.spec import with_defaults
+
+
+@functools.cache
+def _kernels():
+    """The Triton implementation module, or None (after one warning) if Triton is unusable."""
+    try:
+        from . import moe
+    except Exception as err:  # ImportError, or a Triton that fails on this machine
+        warnings.warn(f"mok_compile: Triton kernels unavailable ({err!r}); mok.fused_moe runs the slow "
+                      "reference implementation on CUDA", RuntimeWarning, stacklevel=3)
+        return None
+    return moe
+
+
+def _use_triton(x):
+    return x.dtype != torch.float64 and _kernels() is not None
+
+
+def fused_moe_cuda(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                   down_bias, **kw):
+    kw = with_defaults(kw)
+    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw)
+    args = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
+    if not _use_triton(hidden_states):
+        return reference.fused_moe_reference(*args, **kw)
+    return _kernels().fused_moe_forward(*args, **kw)
+
+
+def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, **kw):
+    kw = with_defaults(kw)
+    if not _use_triton(hidden_states):
+        return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
+    return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
+
+
+library.lib.impl("fused_moe", fused_moe_cuda, "CUDA")
+library.lib.impl("fused_moe_backward", fused_moe_backward_cuda, "CUDA")

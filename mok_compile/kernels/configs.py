@@ -1,0 +1,102 @@
+"""Block sizes of the grouped kernels: tuned values as data (`configs.json`), a heuristic otherwise.
+
+A config is chosen from (kernel, dtype, rows per expert) only, never by timing at
+call time, so the first call costs nothing extra and CUDA-graph capture never
+sees a benchmark. `configs.json` maps device name -> "kernel/dtype/bucket" -> config;
+the buckets follow the mean number of rows an expert gets (T * top_k / E),
+which decides whether a GEMM is weight-bandwidth bound (few rows) or
+matrix-unit bound (many rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+_JSON = os.path.join(os.path.dirname(__file__), "configs.json")
+BUCKETS = (("m16", 16), ("m64", 64), ("m256", 256), ("m1024", 1024), ("mbig", float("inf")))
+
+# Heuristic defaults (bf16/fp16), by kernel and bucket; fp32 halves the tiles (shared memory).
+_DEFAULTS = {
+    "gate_up": {
+        "m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        "m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+        "m256": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+        "m1024": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+        "mbig": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    },
+    "down": {
+        "m16": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+        "m64": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+        "m256": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+        "m1024": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+        "mbig": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    },
+    "bwd_hidden": {
+        "m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+        "m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        "m256": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+        "m1024": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+        "mbig": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
+    },
+    "wgrad": {
+        "m16": dict(BLOCK_P=64, BLOCK_Q=64, BLOCK_R=32, num_warps=4, num_stages=3),
+        "m64": dict(BLOCK_P=128, BLOCK_Q=64, BLOCK_R=32, num_warps=4, num_stages=3),
+        "m256": dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_R=64, num_warps=8, num_stages=3),
+        "m1024": dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_R=64, num_warps=8, num_stages=3),
+        "mbig": dict(BLOCK_P=128, BLOCK_Q=128, BLOCK_R=64, num_warps=8, num_stages=3),
+    },
+}
+_DEFAULTS["dgrad"] = _DEFAULTS["down"]
+_FP32_DEFAULT = {
+    "gate_up": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+    "down": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+    "dgrad": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+    "bwd_hidden": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    "wgrad": dict(BLOCK_P=64, BLOCK_Q=64, BLOCK_R=32, num_warps=4, num_stages=2),
+}
+# Small tiles for the CPU interpreter (tests): its cost grows with tile size, not program count.
+_INTERPRET = {
+    "gate_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    "down": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    "dgrad": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    "bwd_hidden": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    "wgrad": dict(BLOCK_P=16, BLOCK_Q=16, BLOCK_R=16, num_warps=1, num_stages=1),
+}
+
+
+def bucket(rows_per_expert: float) -> str:
+    for name, bound in BUCKETS:
+        if rows_per_expert <= bound:
+            return name
+    return BUCKETS[-1][0]
+
+
+@functools.cache
+def _tuned() -> dict:
+    try:
+        with open(_JSON) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torch.device) -> dict:
+    """Block sizes and launch options for `kernel` (gate_up, down, dgrad, bwd_hidden, wgrad)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dict(_INTERPRET[kernel])
+    b = bucket(rows_per_expert)
+    dname = "fp32" if dtype == torch.float32 else "16bit"
+    tuned = _tuned().get(_device_name(device), {}).get(f"{kernel}/{dname}/{b}")
+    if tuned is not None:
+        return dict(tuned)
+    if dtype == torch.float32:
+        return dict(_FP32_DEFAULT[kernel])
+    return dict(_DEFAULTS[kernel][b])

@@ -1,0 +1,149 @@
+"""Dispatch and combine: a stable counting sort of (token, slot) pairs by expert, on the device.
+
+No host synchronisation: sizes never depend on routing data. Pairs are numbered
+p = t * K + k; the sort is stable in p, so every per-expert reduction (weight
+gradients) runs over the same rows in the same order on every run.
+
+    chunk_counts [n_chunks, BLOCK_E]  how many pairs of each token chunk go to each expert
+                                      (written by the router kernel, or `count_chunks`)
+    scan         -> expert_count [E], expert_start [E], chunk_offset [n_chunks, BLOCK_E]
+    scatter      -> sorted_pair [T*K] (pair at each sorted position), pair_pos [T*K] (inverse)
+
+Each expert's rows are contiguous and unpadded; a grouped GEMM derives its
+(expert, row block) from `expert_count` alone, so any BLOCK_M works.
+`combine` sums the K rows of each token in slot order (fixed, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    hits = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+    for k in tl.static_range(K):
+        idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
+        hits += (idk[:, None] == cols[None, :]).to(tl.int32)
+    tl.store(counts_ptr + pid * BLOCK_E + cols, tl.sum(hits, axis=0))
+
+
+def count_chunks(topk_ids, num_experts, block_t, block_e):
+    """chunk_counts from topk_ids (the backward has no router kernel to write them)."""
+    T, K = topk_ids.shape
+    n_chunks = triton.cdiv(T, block_t)
+    counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=topk_ids.device)
+    if T > 0:
+        _count_kernel[(n_chunks,)](topk_ids, counts, T, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+    return counts
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, n_chunks, E,
+                 BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: prefix sums over chunks (per expert) and over experts."""
+    cols = tl.arange(0, BLOCK_E)
+    running = tl.zeros((BLOCK_E,), tl.int32)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        cr = c0 + tl.arange(0, BLOCK_C)
+        offs = cr[:, None] * BLOCK_E + cols[None, :]
+        m = (cr < n_chunks)[:, None]
+        tile = tl.load(counts_ptr + offs, mask=m, other=0)
+        tl.store(chunk_off_ptr + offs, tl.cumsum(tile, axis=0) - tile + running[None, :], mask=m)
+        running += tl.sum(tile, axis=0)
+    cmask = cols < E
+    tl.store(expert_count_ptr + cols, running, mask=cmask)
+    tl.store(expert_start_ptr + cols, tl.cumsum(running, axis=0) - running, mask=cmask)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, pair_pos_ptr, T, E,
+                    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Position of pair (t, k) = start[e] + pairs of e in earlier chunks + earlier tokens of this chunk."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    hits = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+    for k in tl.static_range(K):
+        idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
+        hits += (idk[:, None] == cols[None, :]).to(tl.int32)
+    # A token picks each expert at most once, so earlier pairs of the same expert are earlier tokens.
+    base = tl.load(expert_start_ptr + cols, mask=cols < E, other=0) + tl.load(chunk_off_ptr + pid * BLOCK_E + cols)
+    pos_mat = base[None, :] + tl.cumsum(hits, axis=0) - hits
+    for k in tl.static_range(K):
+        idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
+        pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1)
+        tl.store(pair_pos_ptr + rows * K + k, pos, mask=rmask)
+        tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
+
+
+class Dispatch:
+    """The sorted layout of one routing decision: what every grouped kernel needs."""
+
+    def __init__(self, topk_ids, chunk_counts, num_experts, block_t):
+        T, K = topk_ids.shape
+        dev = topk_ids.device
+        n_chunks, block_e = chunk_counts.shape
+        self.num_experts, self.top_k, self.num_pairs = num_experts, K, T * K
+        self.expert_count = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        self.expert_start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        self.sorted_pair = torch.empty(T * K, dtype=torch.int32, device=dev)
+        self.pair_pos = torch.empty(T * K, dtype=torch.int32, device=dev)
+        chunk_off = torch.empty_like(chunk_counts)
+        _scan_kernel[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, n_chunks, num_experts,
+                           BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
+        if T > 0:
+            _scatter_kernel[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair, self.pair_pos,
+                                         T, num_experts, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, stride_extra, stride_out,
+                    K: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCT: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    hcols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < T
+    m = rmask[:, None] & (hcols < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
+    DT = out_ptr.dtype.element_ty
+    for k in tl.static_range(K):
+        p = tl.load(pos_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
+        v = tl.load(y_ptr + p[:, None] * stride_y + hcols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            wk = tl.load(w_ptr + rows * K + k, mask=rmask, other=0.0).to(tl.float32)
+            v = v * wk[:, None]
+            if ROUND_PRODUCT:  # HF multiplies in the input dtype when the weights were cast to it
+                v = v.to(DT).to(tl.float32)
+        acc += v
+    if HAS_EXTRA:
+        acc += tl.load(extra_ptr + rows[:, None].to(tl.int64) * stride_extra + hcols[None, :], mask=m,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + hcols[None, :], acc.to(DT), mask=m)
+
+
+def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype):
+    """out[t] = sum_k w[t, k] * y[pair_pos[t, k]] (+ extra[t]), summed in slot order in fp32."""
+    H = y.shape[1]
+    out = torch.empty((T, H), dtype=out_dtype, device=y.device)
+    if T == 0:
+        return out
+    block_h = min(256, triton.next_power_of_2(H))
+    block_t = 16
+    _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+        y, pair_pos, topk_weights if topk_weights is not None else y, extra if extra is not None else y, out,
+        T, H, y.stride(0), extra.stride(0) if extra is not None else 0, out.stride(0),
+        K=K, HAS_W=topk_weights is not None,
+        ROUND_PRODUCT=topk_weights is not None and topk_weights.dtype == out_dtype and out_dtype != torch.float32,
+        HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

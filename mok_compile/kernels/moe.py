@@ -1,0 +1,219 @@
+"""Forward and backward of `mok::fused_moe` on the GPU: the stages launched in order.
+
+Forward (6 Triton launches + the router GEMM; no host synchronisation):
+    logits   = x @ Wr^T (+ b)                          cuBLAS, as the HF router computes it
+    route    -> topk_weights, topk_ids, chunk counts    routing.py
+    scan, scatter -> expert-sorted pairs                dispatch.py
+    gate_up  act[r] = act(x[tok(r)] @ W1[e])            grouped_gemm.py (gather in A loads, act in epilogue)
+    down     y[r] = act[r] @ W2[e] (+ b2)               grouped_gemm.py
+    combine  out[t] = sum_k w[t,k] * y[pos(t,k)]        dispatch.py (fixed slot order)
+The routing weight is applied in the combine, not in the down GEMM's epilogue: HF multiplies
+the rounded expert output by the (often fp32) weight and sums in fp32, and doing it where the
+rows are summed reproduces that at no extra memory traffic.
+
+Backward (recomputes the routing layout and h rather than saving them; the autograd
+wiring saves only the op inputs + topk_weights + topk_ids, i.e. K * (4 + 8) bytes per token
+beyond the inputs):
+    logits recomputed, count, scan, scatter
+    bwd_hidden  per (pair row, I-tile): h = x @ W1, g2 = go @ W2^T, dh, act(h), partial d(weights)
+    wgrad x2    dW2[e] = sum_r (w go)[r]^T act[r];  dW1[e] = sum_r dh[r]^T x[r]  (+ bias grads)
+    dgrad       dxp[r] = dh[r] @ W1[e]
+    route_bwd   d(logits) from d(weights)
+    dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, fp32), combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..ops import reference
+from ..ops.spec import with_defaults
+from . import configs
+from .activation import activation_code
+from .dispatch import Dispatch, combine, count_chunks
+from .grouped_gemm import _bwd_hidden_kernel, _grouped_gemm_kernel, _wgrad_kernel
+from .routing import route, route_backward, routing_block
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 follows torch's own matmul setting: tf32 only where the user allowed it for matmuls.
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _sizes(gate_up_proj, down_proj, kw):
+    E = gate_up_proj.shape[0]
+    I = down_proj.shape[1] if kw["transposed"] else down_proj.shape[2]
+    return E, I
+
+
+def _gate_up_strides(w1, transposed):
+    """(stride over H, stride over the 2I columns) of W1[e]."""
+    return (w1.stride(1), w1.stride(2)) if transposed else (w1.stride(2), w1.stride(1))
+
+
+def _down_strides(w2, transposed):
+    """(stride over I, stride over H) of W2[e]."""
+    return (w2.stride(1), w2.stride(2)) if transposed else (w2.stride(2), w2.stride(1))
+
+
+def _gate_up_columns(I, kw):
+    """(col_mul, up_off): gate column of n is n * col_mul, up column is n * col_mul + up_off."""
+    if not kw["gated"]:
+        return 1, 0
+    return (2, 1) if kw["interleaved"] else (1, I)
+
+
+def _grid_rows(num_pairs, E, block_m):
+    """Upper bound on the row blocks over all experts: each expert wastes at most one partial block."""
+    return triton.cdiv(num_pairs, block_m) + min(E, num_pairs)
+
+
+def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_mul, up_off, kw, cfg, precision):
+    cfg = dict(cfg)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (_grid_rows(disp.num_pairs, disp.num_experts, bm) * triton.cdiv(n, bn),)
+    _grouped_gemm_kernel[grid](
+        a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
+        n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
+        bias.stride(0) if bias is not None else 0, out.stride(0), col_mul, up_off,
+        float(kw["alpha"]), float(kw["limit"]),
+        TOPK=disp.top_k, A_GATHER=gather, GATED=gated, ACT=act, HAS_BIAS=bias is not None, PRECISION=precision,
+        BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg,
+    )
+
+
+def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_pq, cfg, precision):
+    cfg = dict(cfg)
+    grid = (disp.num_experts * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"]),)
+    _wgrad_kernel[grid](
+        p, q, disp.sorted_pair, scale if scale is not None else p, out, dbias if dbias is not None else out,
+        disp.expert_count, disp.expert_start, P, Q, p.stride(0), q.stride(0), out.stride(0), strides_pq[0],
+        strides_pq[1], dbias.stride(0) if dbias is not None else 0,
+        TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, P_SCALE=scale is not None,
+        HAS_BIAS=dbias is not None, PRECISION=precision, **cfg,
+    )
+
+
+def _logits(x, router, router_bias, kw):
+    return reference.router_logits(x, router, router_bias, router_is_logits=kw["router_is_logits"],
+                                   router_fp32=kw["router_fp32"])
+
+
+def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                      down_bias, **kw):
+    """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`."""
+    kw = with_defaults(kw)
+    x = hidden_states.contiguous()
+    T, H = x.shape
+    E, I = _sizes(gate_up_proj, down_proj, kw)
+    K = kw["top_k"]
+    weights_dtype = torch.float32 if kw["weights_fp32"] else x.dtype
+    w, ids, chunk_counts, block_t = route(
+        _logits(x, router, router_bias, kw), selection_bias, top_k=K, routing=kw["routing"],
+        softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
+        routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
+        weights_dtype=weights_dtype)
+    if T == 0:
+        return x.new_empty((0, H)), w, ids
+    disp = Dispatch(ids, chunk_counts, E, block_t)
+    rows_per_expert = T * K / E
+    precision = _precision(x.dtype)
+    col_mul, up_off = _gate_up_columns(I, kw)
+    act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
+    _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I, kd=H,
+          gather=True, gated=kw["gated"], act=activation_code(kw["activation"], kw["gated"]), col_mul=col_mul,
+          up_off=up_off, kw=kw, cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device),
+          precision=precision)
+    y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
+    _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I, gather=False,
+          gated=False, act=0, col_mul=1, up_off=0, kw=kw,
+          cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
+    out = combine(y, disp.pair_pos, w, None, T, K, x.dtype)
+    return out, w, ids
+
+
+def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
+                       gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
+    """Gradients with the semantics of `reference.fused_moe_backward_reference`."""
+    kw = with_defaults(kw)
+    x = hidden_states.contiguous()
+    T, H = x.shape
+    E, I = _sizes(gate_up_proj, down_proj, kw)
+    K = topk_ids.shape[1]
+    transposed, gated = kw["transposed"], kw["gated"]
+    zeros_like = torch.zeros_like
+    if T == 0:
+        d_router = zeros_like(router)
+        return (zeros_like(x), d_router, None if router_bias is None else zeros_like(router_bias),
+                zeros_like(gate_up_proj), None if gate_up_bias is None else zeros_like(gate_up_bias),
+                zeros_like(down_proj), None if down_bias is None else zeros_like(down_bias))
+
+    topk_ids = topk_ids.contiguous()
+    block_t, block_e = routing_block(E)
+    disp = Dispatch(topk_ids, count_chunks(topk_ids, E, block_t, block_e), E, block_t)
+    rows_per_expert = T * K / E
+    precision = _precision(x.dtype)
+    go = grad_out.to(x.dtype).contiguous()
+    w_flat = topk_weights.reshape(-1).contiguous()
+    col_mul, up_off = _gate_up_columns(I, kw)
+    up_out = 2 if gated else 1
+    TK = T * K
+
+    # d(activation inputs), act(h) and partial d(topk_weights), h recomputed in the same K loop.
+    cfg = configs.config("bwd_hidden", x.dtype, rows_per_expert, x.device)
+    n_parts = triton.cdiv(I, cfg["BLOCK_N"])
+    dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=x.device)
+    dh = torch.empty((TK, up_out * I), dtype=x.dtype, device=x.device)
+    act = torch.empty((TK, I), dtype=x.dtype, device=x.device)
+    w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
+    w2_i, w2_h = _down_strides(down_proj, transposed)
+    grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
+    _bwd_hidden_kernel[grid](
+        x, go, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, down_proj,
+        dh, act, dw_parts, disp.expert_count, disp.expert_start,
+        I, H, E, TK, x.stride(0), go.stride(0), gate_up_proj.stride(0), w1_k, w1_n,
+        gate_up_bias.stride(0) if gate_up_bias is not None else 0, down_proj.stride(0), w2_h, w2_i,
+        dh.stride(0), act.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
+        TOPK=K, GATED=gated, ACT=activation_code(kw["activation"], gated), HAS_BIAS=gate_up_bias is not None,
+        PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg,
+    )
+
+    # Weight gradients: each program reduces its expert's rows in sorted order.
+    wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
+    d_down = torch.empty_like(down_proj)
+    d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
+    _wgrad(go, act, disp, w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True, q_gather=False,
+           strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
+    d_gu = torch.empty_like(gate_up_proj)
+    d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
+    _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
+           strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision)
+
+    # d(input) of each pair, summed per token by the final combine.
+    dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)
+    _gemm(dh, disp, gate_up_proj, (w1_n, w1_k), None, dxp, n=H, kd=up_out * I, gather=False, gated=False, act=0,
+          col_mul=1, up_off=0, kw=kw, cfg=configs.config("dgrad", x.dtype, rows_per_expert, x.device),
+          precision=precision)
+
+    # Router.
+    dw_extra = None
+    if grad_topk_weights is not None:
+        dw_extra = grad_topk_weights.float()
+    if down_bias is not None:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
+        bias_term = (go.float() @ down_bias.float().t()).gather(1, topk_ids)
+        dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
+    logits = _logits(x, router, router_bias, kw)
+    dl = route_backward(logits, topk_ids, disp.pair_pos, dw_parts,
+                        None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
+                        renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"])
+    if kw["router_is_logits"]:
+        d_router, d_router_bias, dx_router = dl.to(router.dtype), None, None
+    else:
+        d_router = (dl.t() @ x.float()).to(router.dtype)
+        d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
+        dx_router = dl @ router.float()
+    d_x = combine(dxp, disp.pair_pos, None, dx_router, T, K, x.dtype)
+    return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias

@@ -1,0 +1,237 @@
+"""Router: logits -> (topk_weights, topk_ids) in one kernel, and its backward.
+
+One program owns BLOCK_T tokens and all E logits of each (E <= 256 fits one
+tile). Top-k is k rounds of "max, then lowest index among equals, then mask",
+so ties resolve the same way on every run. The forward also writes how many of
+its tokens picked each expert: the first step of the device-side counting sort
+(`dispatch.py`), saving a pass over `topk_ids`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2}
+
+
+def routing_block(num_experts: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_E): about 4K logits per program, at most 64 tokens."""
+    block_e = triton.next_power_of_2(max(num_experts, 2))
+    return max(1, min(64, 4096 // block_e)), block_e
+
+
+@triton.jit
+def _take(mat, cols, idx):
+    """mat[t, idx[t]] for a [BT, BE] tile."""
+    return tl.sum(tl.where(cols[None, :] == idx[:, None], mat, 0.0), axis=1)
+
+
+@triton.jit
+def _argmax_first(cur, cols, BLOCK: tl.constexpr):
+    """Row-wise (max, lowest index holding it): a deterministic tie-break."""
+    mx = tl.max(cur, axis=1)
+    idx = tl.min(tl.where(cur == mx[:, None], cols[None, :], BLOCK), axis=1)
+    return mx, idx
+
+
+@triton.jit
+def _route_fwd_kernel(
+    logits_ptr, sel_bias_ptr, w_ptr, ids_ptr, counts_ptr,
+    T, E, stride_lt, group_size, renorm_eps, routed_scale,
+    K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, SOFTMAX_LOW: tl.constexpr,
+    HAS_SEL_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask = rows < T
+    cmask = cols < E
+    lmask = rmask[:, None] & cmask[None, :]
+    LDT = logits_ptr.dtype.element_ty
+    # Rows past T read zeros (not -inf) so that no NaN is computed; columns past E read -inf.
+    logit = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :], mask=lmask,
+                    other=0.0).to(tl.float32)
+    logit = tl.where(cmask[None, :], logit, float("-inf"))
+    ninf = float("-inf")
+
+    if ROUTING == 0:  # softmax over all E, then top-k of the probabilities
+        m = tl.max(logit, axis=1)
+        p = tl.where(lmask, tl.exp(logit - m[:, None]), 0.0)
+        value = p / tl.sum(p, axis=1)[:, None]
+        if SOFTMAX_LOW:  # HF runs this softmax in the logits' dtype
+            value = value.to(LDT).to(tl.float32)
+        choice = tl.where(cmask[None, :], value, ninf)
+    elif ROUTING == 1:  # top-k of the logits, softmax over the k afterwards
+        value = logit
+        choice = tl.where(cmask[None, :], logit, ninf)
+    else:  # sigmoid scores; the selection bias only chooses
+        value = 1.0 / (1.0 + tl.exp(-logit))
+        choice = value
+        if HAS_SEL_BIAS:
+            choice = choice + tl.load(sel_bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        choice = tl.where(cmask[None, :], choice, ninf)
+        if N_GROUP > 1:  # keep the TOPK_GROUP groups whose top-2 sum is largest
+            gid = cols // group_size
+            gcols = tl.arange(0, G_PAD)
+            gscore = tl.full((BLOCK_T, G_PAD), ninf, tl.float32)
+            for g in tl.static_range(N_GROUP):
+                c = tl.where((gid == g)[None, :], choice, ninf)
+                m1, i1 = _argmax_first(c, cols, BLOCK_E)
+                m2 = tl.max(tl.where(cols[None, :] == i1[:, None], ninf, c), axis=1)
+                gscore = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gscore)
+            keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+            for j in tl.static_range(TOPK_GROUP):
+                _, gi = _argmax_first(gscore, gcols, G_PAD)
+                keep += (gid[None, :] == gi[:, None]).to(tl.int32)
+                gscore = tl.where(gcols[None, :] == gi[:, None], ninf, gscore)
+            choice = tl.where(keep > 0, choice, ninf)
+
+    kcols = tl.arange(0, K_PAD)
+    top_v = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    top_i = tl.zeros((BLOCK_T, K_PAD), tl.int32)
+    picked = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+    for k in tl.static_range(K):
+        _, idx = _argmax_first(choice, cols, BLOCK_E)
+        top_v = tl.where(kcols[None, :] == k, _take(value, cols, idx)[:, None], top_v)
+        top_i = tl.where(kcols[None, :] == k, idx[:, None], top_i)
+        hit = cols[None, :] == idx[:, None]
+        picked += hit.to(tl.int32)
+        choice = tl.where(hit, ninf, choice)
+
+    kmask = kcols < K
+    if ROUTING == 1:
+        mk = tl.max(tl.where(kmask[None, :], top_v, ninf), axis=1)
+        ek = tl.where(kmask[None, :], tl.exp(top_v - mk[:, None]), 0.0)
+        top_v = ek / tl.sum(ek, axis=1)[:, None]
+        if SOFTMAX_LOW:
+            top_v = top_v.to(LDT).to(tl.float32)
+    if RENORM:
+        top_v = top_v / (tl.sum(tl.where(kmask[None, :], top_v, 0.0), axis=1)[:, None] + renorm_eps)
+    top_v = top_v * routed_scale
+
+    omask = rmask[:, None] & kmask[None, :]
+    offs = rows[:, None] * K + kcols[None, :]
+    tl.store(w_ptr + offs, top_v.to(w_ptr.dtype.element_ty), mask=omask)
+    tl.store(ids_ptr + offs, top_i.to(tl.int64), mask=omask)
+    picked = tl.where(rmask[:, None], picked, 0)
+    tl.store(counts_ptr + pid * BLOCK_E + cols, tl.sum(picked, axis=0))
+
+
+def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
+          topk_group, weights_dtype):
+    """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T)."""
+    T, E = logits.shape
+    block_t, block_e = routing_block(E)
+    n_chunks = triton.cdiv(T, block_t)
+    w = torch.empty((T, top_k), dtype=weights_dtype, device=logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=logits.device)
+    grouped = routing == "sigmoid_grouped_topk" and n_group > 1
+    if T > 0:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        _route_fwd_kernel[(n_chunks,)](
+            logits, selection_bias if selection_bias is not None else logits, w, ids, counts,
+            T, E, logits.stride(0), E // n_group if grouped else E, float(renorm_eps), float(routed_scale),
+            K=top_k, K_PAD=triton.next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
+            SOFTMAX_LOW=(not softmax_fp32) and logits.dtype != torch.float32,
+            HAS_SEL_BIAS=selection_bias is not None and routing == "sigmoid_grouped_topk",
+            N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
+            G_PAD=triton.next_power_of_2(max(n_group, 2)), RENORM=renormalize,
+            BLOCK_T=block_t, BLOCK_E=block_e,
+        )
+    return w, ids, counts, block_t
+
+
+@triton.jit
+def _route_bwd_kernel(
+    logits_ptr, ids_ptr, pair_pos_ptr, dw_part_ptr, dw_extra_ptr, dlogits_ptr,
+    T, E, stride_lt, n_parts, TK, renorm_eps, routed_scale,
+    K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
+
+    d(topk_weights) arrives as partial sums over tiles of I ([n_parts, T*K] at each pair's sorted
+    position), summed here in a fixed order, plus `dw_extra` (given grads, down-bias term)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, K_PAD)
+    rmask = rows < T
+    cmask = cols < E
+    kmask = kcols < K
+    lmask = rmask[:, None] & cmask[None, :]
+    omask = rmask[:, None] & kmask[None, :]
+    # Rows past T read zeros (not -inf) so that no NaN is computed; columns past E read -inf.
+    logit = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + cols[None, :], mask=lmask,
+                    other=0.0).to(tl.float32)
+    logit = tl.where(cmask[None, :], logit, float("-inf"))
+    pk = rows[:, None] * K + kcols[None, :]
+    ids = tl.load(ids_ptr + pk, mask=omask, other=0).to(tl.int32)
+    pos = tl.load(pair_pos_ptr + pk, mask=omask, other=0)
+    d = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    part_ptrs = dw_part_ptr + pos
+    for _ in range(0, n_parts):  # fixed order over the I-tiles
+        d += tl.load(part_ptrs, mask=omask, other=0.0)
+        part_ptrs += TK
+    if HAS_EXTRA:
+        d += tl.load(dw_extra_ptr + pk, mask=omask, other=0.0)
+
+    if ROUTING == 0:
+        m = tl.max(logit, axis=1)
+        p = tl.where(lmask, tl.exp(logit - m[:, None]), 0.0)
+        base = p / tl.sum(p, axis=1)[:, None]
+    elif ROUTING == 2:
+        base = tl.where(lmask, 1.0 / (1.0 + tl.exp(-logit)), 0.0)
+    else:
+        base = logit
+    w0 = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    for k in tl.static_range(K):
+        idk = tl.sum(tl.where(kcols[None, :] == k, ids, 0), axis=1)
+        w0 = tl.where(kcols[None, :] == k, _take(base, cols, idk)[:, None], w0)
+    if ROUTING == 1:  # base held logits: softmax over the k picked
+        mk = tl.max(tl.where(kmask[None, :], w0, float("-inf")), axis=1)
+        ek = tl.where(kmask[None, :], tl.exp(w0 - mk[:, None]), 0.0)
+        w0 = ek / tl.sum(ek, axis=1)[:, None]
+    w0 = tl.where(omask, w0, 0.0)
+    d = tl.where(omask, d * routed_scale, 0.0)
+    if RENORM:
+        denom = tl.sum(w0, axis=1)[:, None] + renorm_eps
+        w1 = w0 / denom
+        d = (d - tl.sum(d * w1, axis=1)[:, None]) / denom
+    if ROUTING == 1:
+        d = w0 * (d - tl.sum(w0 * d, axis=1)[:, None])
+
+    scat = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)  # d scattered to the picked experts
+    for k in tl.static_range(K):
+        idk = tl.sum(tl.where(kcols[None, :] == k, ids, 0), axis=1)
+        dk = tl.sum(tl.where(kcols[None, :] == k, d, 0.0), axis=1)
+        scat = tl.where(cols[None, :] == idk[:, None], dk[:, None], scat)
+    if ROUTING == 0:
+        dl = base * (scat - tl.sum(base * scat, axis=1)[:, None])
+    elif ROUTING == 1:
+        dl = scat
+    else:
+        dl = scat * base * (1.0 - base)
+    tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl, mask=lmask)
+
+
+def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
+                   routed_scale):
+    """d(logits) [T, E] fp32; `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted position."""
+    T, E = logits.shape
+    K = topk_ids.shape[1]
+    block_t, block_e = routing_block(E)
+    dl = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    if T > 0:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        _route_bwd_kernel[(triton.cdiv(T, block_t),)](
+            logits, topk_ids, pair_pos, dw_parts, dw_extra if dw_extra is not None else dw_parts, dl,
+            T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
+            K=K, K_PAD=triton.next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
+            HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+        )
+    return dl

@@ -1,0 +1,79 @@
+"""MoE variants and random inputs shared by the kernel tests (GPU and CPU interpreter)."""
+
+from __future__ import annotations
+
+import torch
+
+from mok_compile.ops import reference
+from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, with_defaults
+
+# name -> (RoutingSpec without top_k, ExpertSpec, has router bias, has expert biases, has selection bias)
+VARIANTS = {
+    "qwen3": (dict(renormalize=True, weights_fp32=False), ExpertSpec(), False, False, False),
+    "mixtral": (dict(renormalize=True), ExpertSpec(), False, False, False),
+    "olmoe_no_renorm": (dict(weights_fp32=False), ExpertSpec(), False, False, False),
+    "softmax_low_precision": (dict(softmax_fp32=False, renormalize=True), ExpertSpec(), False, False, False),
+    "deepseek_v3": (dict(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20,
+                         routed_scale=2.5, n_group=4, topk_group=2), ExpertSpec(), False, False, True),
+    "sigmoid_ungrouped": (dict(routing="sigmoid_grouped_topk", routed_scale=1.5), ExpertSpec(), False, False, False),
+    "gpt_oss": (dict(routing="topk_softmax", softmax_fp32=False, weights_fp32=False),
+                ExpertSpec(activation="clamped_silu", interleaved=True, transposed=True, alpha=1.702, limit=7.0),
+                True, True, False),
+    "granite": (dict(routing="topk_softmax", weights_fp32=False), ExpertSpec(), False, False, False),
+    "gelu_tanh_glu": (dict(renormalize=True), ExpertSpec(activation="gelu_tanh"), False, True, False),
+    "relu2": (dict(), ExpertSpec(activation="relu2", gated=False), False, False, False),
+    "relu": (dict(), ExpertSpec(activation="relu", gated=False, transposed=True), False, True, False),
+    "silu_mlp": (dict(), ExpertSpec(activation="silu", gated=False), False, False, False),
+    "gelu_mlp": (dict(), ExpertSpec(activation="gelu", gated=False), False, False, False),
+    "gelu_tanh_mlp": (dict(), ExpertSpec(activation="gelu_tanh", gated=False), False, False, False),
+    "router_logits": (dict(router_is_logits=True, renormalize=True), ExpertSpec(), False, False, False),
+}
+
+
+def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0, logits=None):
+    """(positional tensors, kwargs) of `mok.fused_moe` for `variant`, random (never zero) values.
+
+    `logits` ([T, E]) overrides the router output (router_is_logits), e.g. to send every token
+    to the same experts."""
+    routing_kw, experts, router_bias, expert_bias, sel_bias = VARIANTS[variant]
+    routing = RoutingSpec(top_k=K, **routing_kw)
+    if logits is not None:
+        routing = RoutingSpec(**{**routing.__dict__, "router_is_logits": True})
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dt)
+
+    up = 2 if experts.gated else 1
+    x = rnd(T, H)
+    if routing.router_is_logits:
+        router = logits.to(device=device, dtype=dtype) if logits is not None else rnd(T, E)
+    else:
+        router = rnd(E, H, scale=H ** -0.5, dt=torch.float32 if routing.router_fp32 else dtype)
+    w1 = rnd(E, H, up * I, scale=H ** -0.5) if experts.transposed else rnd(E, up * I, H, scale=H ** -0.5)
+    w2 = rnd(E, I, H, scale=I ** -0.5) if experts.transposed else rnd(E, H, I, scale=I ** -0.5)
+    tensors = (
+        x,
+        router,
+        rnd(E, scale=0.1) if router_bias and not routing.router_is_logits else None,
+        rnd(E, scale=0.1, dt=torch.float32) if sel_bias else None,
+        w1,
+        rnd(E, up * I, scale=0.1) if expert_bias else None,
+        w2,
+        rnd(E, H, scale=0.1) if expert_bias else None,
+    )
+    return tensors, with_defaults(op_kwargs(routing, experts))
+
+
+def fp32_expert_reference(tensors, kw, topk_weights, topk_ids):
+    """out computed in fp32 on upcast inputs, for the kernel's own routing decision."""
+    x, _, _, _, w1, b1, w2, b2 = (None if t is None else t.float() for t in tensors)
+    return reference.experts_reference(x, topk_weights.float(), topk_ids, w1, b1, w2, b2,
+                                       activation=kw["activation"], gated=kw["gated"],
+                                       interleaved=kw["interleaved"], transposed=kw["transposed"],
+                                       alpha=kw["alpha"], limit=kw["limit"])
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -1,0 +1,52 @@
+"""Runs the Triton kernels under TRITON_INTERPRET=1 on the CPU and prints one JSON line per check.
+
+Started in a subprocess by test_triton_interpret.py, so that the variable is set before Triton
+and the kernel modules are first imported (pytest may have imported Triton already).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from mok_compile.kernels import moe  # noqa: E402
+from mok_compile.ops import reference  # noqa: E402
+from tests.kernels.cases import VARIANTS, make_case, rel_err  # noqa: E402
+
+# (variant, T, H, I, E, K, dtype): small odd sizes; T not a multiple of any block.
+CASES = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
+CASES += [
+    ("qwen3", 1, 24, 20, 6, 3, torch.float32),
+    ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
+    ("qwen3", 29, 40, 24, 8, 2, torch.float16),
+    ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),
+]
+
+
+def check(variant, T, H, I, E, K, dtype):
+    tensors, kw = make_case(variant, T, H, I, E, K, dtype, seed=hash((variant, T)) % 1000)
+    out, w, ids = moe.fused_moe_forward(*tensors, **kw)
+    r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
+    res = {"case": f"{variant}/T{T}/{str(dtype)[6:]}"}
+    res["ids_equal"] = bool(torch.equal(ids.sort(1)[0], r_ids.sort(1)[0]))
+    res["w_err"] = rel_err(w.gather(1, ids.sort(1)[1]), r_w.gather(1, r_ids.sort(1)[1]))
+    res["out_err"] = rel_err(out, r_out)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gw = torch.randn(w.shape, generator=torch.Generator().manual_seed(2)).to(w.dtype)
+    grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
+    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    names = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
+    res["grad_err"] = {n: rel_err(a, b) for n, a, b in zip(names, grads, r_grads) if b is not None}
+    res["grad_missing"] = [n for n, a, b in zip(names, grads, r_grads) if (a is None) != (b is None)]
+    return res
+
+
+if __name__ == "__main__":
+    for case in CASES:
+        print(json.dumps(check(*case)), flush=True)
+    sys.exit(0)
