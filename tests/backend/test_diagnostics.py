@@ -1,0 +1,115 @@
+"""explain(), the eager-experts warning, logging, strict and validate, on tiny HF CausalLMs."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import mok_compile
+from mok_compile import diagnostics
+
+from .helpers import NUM_LAYERS, assert_close_rel, forward, tiny_model, token_ids
+
+AOT = {"compiler": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warning_state(monkeypatch):
+    monkeypatch.setitem(diagnostics._warned, "eager_fragment", False)
+
+
+def eager_experts_model():
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("eager")
+    return model
+
+
+def test_explain_lists_every_fused_block(capsys):
+    report = mok_compile.explain(tiny_model("qwen3_moe"), token_ids())
+    printed = capsys.readouterr().out
+    assert printed.strip() == str(report).strip()
+    assert len(report.fused) == NUM_LAYERS and not report.rejected
+    assert report.graph_count == 1 and report.graph_break_count == 0
+    for layer, block in enumerate(report.fused):
+        assert f"layers.{layer}" in block.name
+        assert (block.num_experts, block.top_k, block.hidden, block.intermediate) == (8, 2, 64, 32)
+        assert block.routing.routing == "softmax_topk" and block.routing.renormalize
+        assert block.experts.activation == "silu" and block.dtype == torch.float32
+        assert f"FUSED     {block.name}: E=8 top_k=2 H=64 I=32 softmax_topk(renorm" in printed
+    assert "silu float32" in printed
+    assert "NOT FUSED" not in printed and "graph breaks:" not in printed
+    # explain compiles nothing and leaves no Dynamo state behind
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS
+
+
+def test_explain_shows_eager_fragments_with_the_fix_and_graph_breaks(capsys):
+    report = mok_compile.explain(eager_experts_model(), token_ids())
+    printed = capsys.readouterr().out
+    assert not report.fused and report.rejected
+    assert all(b.form == "eager_fragment" for b in report.rejected), [b.form for b in report.rejected]
+    assert report.graph_break_count > 0 and report.break_reasons
+    assert "NOT FUSED" in printed and "reason:" in printed
+    assert 'fix: model.set_experts_implementation("grouped_mm")' in printed
+    assert "graph breaks:" in printed
+
+
+def test_eager_fragments_warn_once_and_keep_numerics():
+    model = eager_experts_model()
+    ids = token_ids()
+    want, _, _ = forward(model, ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _, _ = forward(model, ids, backend="mok", options=AOT)
+        torch._dynamo.reset()
+        forward(model, ids, backend="mok", options=AOT)  # compiles every fragment again: no second warning
+    ours = [w for w in caught if "experts_implementation='eager'" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    message = str(ours[0].message)
+    assert "layers." in message and 'set_experts_implementation("grouped_mm")' in message
+    assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] > 0
+    assert_close_rel(got, want, 1e-6, "logits")
+
+
+def test_strict_raises_on_a_block_it_cannot_fuse():
+    model = eager_experts_model()
+    with pytest.raises(Exception, match="layers") as err:
+        forward(model, token_ids(), backend="mok", options={**AOT, "strict": True})
+    assert "MoeFusionError" in repr(err.value) or "MoeFusionError" in str(err.value)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_validate_on_and_off_fuse_the_same(validate):
+    model = tiny_model("mixtral")
+    ids = token_ids()
+    want, _, _ = forward(model, ids)
+    got, _, _ = forward(model, ids, backend="mok", options={**AOT, "validate": validate})
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS
+    assert_close_rel(got, want, 1e-5, "logits")
+
+
+def test_each_decision_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="mok_compile"):
+        forward(tiny_model("olmoe"), token_ids(), backend="mok", options=AOT)
+    ours = [r for r in caplog.records if r.name.startswith("mok_compile")]
+    for layer in range(NUM_LAYERS):
+        assert any(f"layers.{layer}" in r.getMessage() for r in ours), [r.getMessage() for r in ours]
+    assert any(f"fused {NUM_LAYERS} of {NUM_LAYERS} MoE block(s)" in r.getMessage() for r in ours)
+
+
+def test_log_level_switch(monkeypatch):
+    logger = logging.getLogger("mok_compile")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        monkeypatch.setenv("MOK_LOG_LEVEL", "info")
+        diagnostics.configure_logging()
+        diagnostics.configure_logging()  # idempotent: one handler
+        assert logger.level == logging.INFO
+        assert sum(getattr(h, "_mok_handler", False) for h in logger.handlers) == 1
+        monkeypatch.setenv("MOK_LOG_LEVEL", "loud")
+        with pytest.raises(ValueError, match="MOK_LOG_LEVEL='LOUD'"):
+            diagnostics.configure_logging()
+    finally:
+        logger.handlers[:], logger.propagate = before[0], before[2]
+        logger.setLevel(before[1])

@@ -1,0 +1,52 @@
+"""The two inductor compiles of the suite (15-40 s each on 2 cores): no-MoE identity, one MoE model end to end."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from .helpers import NUM_LAYERS, assert_close_rel, forward, tiny_model, token_ids
+
+
+class DenseBlock(torch.nn.Module):
+    """Attention-free transformer-ish block: norm, gated MLP, softmax mixing. Nothing MoE-like in it."""
+
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 2 * hidden)
+        self.down = torch.nn.Linear(hidden, hidden)
+        self.mix = torch.nn.Linear(hidden, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        gate, up = self.up(h).chunk(2, dim=-1)
+        h = self.down(torch.nn.functional.silu(gate) * up)
+        weights = torch.softmax(self.mix(h), dim=-1)
+        return x + h * weights.sum(-1, keepdim=True) + weights.topk(2, dim=-1).values.sum(-1, keepdim=True)
+
+
+@pytest.mark.slow
+def test_without_moe_mok_is_exactly_inductor():
+    torch.manual_seed(0)
+    model = DenseBlock().eval()
+    x = torch.randn(4, 16, 64)
+    with torch.no_grad():
+        want = torch.compile(model, backend="inductor")(x)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="mok")(x)
+    assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] == 0
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_moe_model_end_to_end_with_inductor():
+    """Qwen3-MoE, training step: inductor compiles the graph holding mok.fused_moe and its backward."""
+    model = tiny_model("qwen3_moe")
+    ids = token_ids()
+    want_logits, want_loss, want_grads = forward(model, ids, train=True)
+    got_logits, got_loss, got_grads = forward(model, ids, backend="mok", train=True)
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS
+    assert_close_rel(got_logits, want_logits, 1e-4, "logits")
+    assert_close_rel(got_loss, want_loss, 1e-5, "loss")
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, 1e-3, f"grad of {name}")
