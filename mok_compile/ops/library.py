@@ -121,8 +121,27 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
             _fail(f"router_bias must have shape [{E}], got {tuple(router_bias.shape)}")
     if router.dtype not in _FLOAT_DTYPES:
         _fail(f"router has unsupported dtype {router.dtype}")
-    if selection_bias is not None and tuple(selection_bias.shape) != (E,):
-        _fail(f"selection_bias must have shape [{E}], got {tuple(selection_bias.shape)}")
+    if router_bias is not None and router_bias.dtype != router.dtype:
+        _fail(f"router_bias dtype {router_bias.dtype} differs from router dtype {router.dtype}")
+    for name, b, w in (("gate_up_bias", gate_up_bias, "gate_up_proj"), ("down_bias", down_bias, "down_proj")):
+        if b is not None and b.dtype != x.dtype:
+            _fail(f"{name} dtype {b.dtype} differs from {w} dtype {x.dtype}")
+    if selection_bias is not None:
+        if tuple(selection_bias.shape) != (E,):
+            _fail(f"selection_bias must have shape [{E}], got {tuple(selection_bias.shape)}")
+        if selection_bias.dtype not in _FLOAT_DTYPES:
+            _fail(f"selection_bias has unsupported dtype {selection_bias.dtype}")
+        # Other families add a selection bias differently (Ernie 4.5: to softmax probabilities, with a
+        # clamp-min renormalisation); refusing beats silently ignoring it.
+        if routing != "sigmoid_grouped_topk":
+            _fail(f"selection_bias is only supported with routing='sigmoid_grouped_topk', got routing={routing!r}")
+    if n_group != 1 and routing != "sigmoid_grouped_topk":
+        _fail(f"n_group={n_group} (group-limited routing) is only supported with routing='sigmoid_grouped_topk'")
+    for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),
+                    ("gate_up_proj", gate_up_proj), ("gate_up_bias", gate_up_bias), ("down_proj", down_proj),
+                    ("down_bias", down_bias)):
+        if t is not None and t.device != x.device:
+            _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
     if not 1 <= top_k <= E:
         _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
     if routing not in ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk"):
@@ -133,14 +152,10 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
             _fail(f"topk_group={topk_group} (n_group={n_group}) leaves fewer than top_k={top_k} experts")
     try:
-        ExpertSpec(activation=activation, gated=gated)
+        ExpertSpec(activation=activation, gated=gated, interleaved=kw["interleaved"])
     except ValueError as err:
         _fail(str(err))
     return T, H, E, I
-
-
-def _routing_weights_dtype(x, weights_fp32):
-    return torch.float32 if weights_fp32 else x.dtype
 
 
 @torch.library.register_fake("mok::fused_moe")
@@ -151,7 +166,8 @@ def _fused_moe_fake(hidden_states, router, router_bias, selection_bias, gate_up_
     kw = with_defaults(kw)
     K = kw["top_k"]
     out = hidden_states.new_empty((T, H))
-    weights = hidden_states.new_empty((T, K), dtype=_routing_weights_dtype(hidden_states, kw["weights_fp32"]))
+    weights = hidden_states.new_empty((T, K), dtype=reference.routing_weights_dtype(hidden_states.dtype,
+                                                                                    kw["weights_fp32"]))
     ids = hidden_states.new_empty((T, K), dtype=torch.int64)
     return out, weights, ids
 

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs: HF's `.float()` upcasts, but must not round an fp64 run to fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """HF's `t.float()` where it upcasts low precision; fp64 stays fp64 (fp64 gradcheck needs it)."""
+    return t.to(_acc_dtype(t.dtype))
 
 
 # ----------------------------------------------------------------------------- routing
@@ -28,8 +34,9 @@ def router_logits(x, router, router_bias, *, router_is_logits, router_fp32):
     if router_is_logits:
         return router
     if router_fp32:
-        bias = None if router_bias is None else router_bias.float()
-        return F.linear(x.float(), router.float(), bias)
+        acc = _acc_dtype(x.dtype)
+        bias = None if router_bias is None else router_bias.to(acc)
+        return F.linear(x.to(acc), router.to(acc), bias)
     return F.linear(x, router, router_bias)
 
 
@@ -54,18 +61,23 @@ def _grouped_choice(choice, n_group, topk_group):
     return choice.masked_fill(~score_mask.bool(), float("-inf"))
 
 
+def routing_weights_dtype(x_dtype: torch.dtype, weights_fp32: bool) -> torch.dtype:
+    """dtype of `topk_weights`: fp32 (fp64 for fp64 inputs) when `weights_fp32`, else the input dtype."""
+    return _acc_dtype(x_dtype) if weights_fp32 else x_dtype
+
+
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
           renorm_eps, routed_scale, n_group, topk_group, weights_fp32):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
     if routing == "softmax_topk":
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32 if softmax_fp32 else logits.dtype)
+        probs = F.softmax(logits, dim=-1, dtype=_acc_dtype(logits.dtype) if softmax_fp32 else logits.dtype)
         w, ids = torch.topk(probs, top_k, dim=-1)
     elif routing == "topk_softmax":
-        scores = logits.float() if softmax_fp32 else logits
+        scores = _upcast(logits) if softmax_fp32 else logits
         top, ids = torch.topk(scores, top_k, dim=-1)
         w = F.softmax(top, dim=-1, dtype=top.dtype)
     elif routing == "sigmoid_grouped_topk":
-        scores = logits.float().sigmoid()
+        scores = _upcast(logits).sigmoid()
         choice = scores if selection_bias is None else scores + selection_bias
         if n_group > 1:
             choice = _grouped_choice(choice, n_group, topk_group)
@@ -74,7 +86,7 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
     else:
         raise ValueError(f"unknown routing {routing!r}")
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale)
-    w = w.float() if weights_fp32 else w.to(x_dtype)
+    w = w.to(routing_weights_dtype(x_dtype, weights_fp32))
     return w, ids
 
 

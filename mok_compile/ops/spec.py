@@ -42,6 +42,9 @@ class RoutingSpec:
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
+
+    "fp32" in these flags means "at least fp32": HF's ``.float()`` upcasts bf16
+    and fp16, while fp64 inputs stay fp64 (so fp64 gradcheck sees no fp32 rounding).
     """
 
     top_k: int

@@ -1,0 +1,247 @@
+"""Shared by the op tests: the variants of `mok::fused_moe`, their random inputs, and a dense oracle.
+
+`CASES` spans every routing family, router form, activation, layout and optional
+tensor the schema allows; each test file picks from it. `dense_oracle` is an
+independent restatement of the op's maths, token by token and straight from the
+definitions in shared/moe-semantics.md (no shared code with `reference.py`), so
+comparing the op with it in fp64 checks the semantics and not just consistency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, with_defaults
+
+
+@dataclass(frozen=True)
+class Case:
+    """One variant of the op: the specs plus which optional tensors are passed.
+
+    dtype is the precision the variant is meant for (opcheck and determinism run
+    in it); router_dtype differs from it for an fp32 router in a bf16 model.
+    """
+
+    name: str
+    routing: RoutingSpec
+    experts: ExpertSpec = ExpertSpec()
+    router_bias: bool = False
+    selection_bias: bool = False
+    expert_bias: bool = False
+    num_experts: int = 4
+    dtype: torch.dtype = torch.float32
+    router_dtype: torch.dtype | None = None
+
+    def __str__(self):
+        return self.name
+
+
+def _r(**kw):
+    return RoutingSpec(**{"top_k": 2, **kw})
+
+
+# A small clamp limit so that both sides of GPT-OSS's clamps are hit by unit-scale activations.
+_CLAMPED = dict(activation="clamped_silu", limit=0.75)
+
+ROUTING_CASES = [
+    Case("softmax_topk", _r()),
+    Case("softmax_topk_renorm_scale_wdtype", _r(renormalize=True, routed_scale=2.5, weights_fp32=False)),
+    Case("softmax_topk_bf16_softmax", _r(softmax_fp32=False, weights_fp32=False), dtype=torch.bfloat16),
+    Case("softmax_topk_router_fp32", _r(router_fp32=True, renormalize=True), dtype=torch.bfloat16,
+         router_dtype=torch.float32),
+    Case("softmax_topk_logits", _r(router_is_logits=True, renormalize=True)),
+    Case("topk_softmax", _r(routing="topk_softmax", weights_fp32=False)),
+    Case("topk_softmax_router_bias_bf16", _r(routing="topk_softmax", softmax_fp32=False, weights_fp32=False),
+         router_bias=True, dtype=torch.bfloat16),
+    Case("topk_softmax_logits", _r(routing="topk_softmax", router_is_logits=True)),
+    Case("sigmoid", _r(routing="sigmoid_grouped_topk")),
+    Case("sigmoid_renorm_no_eps_wdtype", _r(routing="sigmoid_grouped_topk", renormalize=True, weights_fp32=False)),
+    Case("sigmoid_deepseek_v3",
+         _r(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20, routed_scale=2.5,
+            n_group=2, topk_group=1), selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
+    Case("sigmoid_4_groups_keep_2",
+         _r(routing="sigmoid_grouped_topk", top_k=3, n_group=4, topk_group=2, routed_scale=1.5),
+         selection_bias=True, num_experts=8),
+    Case("sigmoid_logits_groups", _r(routing="sigmoid_grouped_topk", router_is_logits=True, n_group=2, renormalize=True),
+         selection_bias=True),
+]
+
+EXPERT_CASES = [
+    Case("silu_bias", _r(), ExpertSpec(), expert_bias=True),
+    Case("silu_transposed", _r(), ExpertSpec(transposed=True)),
+    Case("silu_interleaved", _r(), ExpertSpec(interleaved=True)),
+    Case("gelu_tanh", _r(), ExpertSpec(activation="gelu_tanh")),
+    Case("gelu_tanh_transposed_bias", _r(), ExpertSpec(activation="gelu_tanh", transposed=True), expert_bias=True),
+    Case("clamped_silu_concatenated", _r(), ExpertSpec(**_CLAMPED)),
+    Case("clamped_silu_gpt_oss", _r(routing="topk_softmax", softmax_fp32=False, weights_fp32=False),
+         ExpertSpec(**_CLAMPED, interleaved=True, transposed=True), router_bias=True, expert_bias=True),
+    Case("relu2", _r(), ExpertSpec(activation="relu2", gated=False)),
+    Case("relu2_transposed_bias", _r(), ExpertSpec(activation="relu2", gated=False, transposed=True),
+         expert_bias=True),
+    Case("ungated_relu", _r(), ExpertSpec(activation="relu", gated=False)),
+    Case("ungated_silu", _r(), ExpertSpec(activation="silu", gated=False)),
+    Case("ungated_gelu", _r(), ExpertSpec(activation="gelu", gated=False)),
+    Case("ungated_gelu_tanh", _r(), ExpertSpec(activation="gelu_tanh", gated=False)),
+]
+
+CASES = ROUTING_CASES + EXPERT_CASES
+CASES_BY_NAME = {c.name: c for c in CASES}
+
+
+def make_args(case: Case, T: int = 6, H: int = 12, I: int = 4, *, dtype: torch.dtype | None = None, seed: int = 0,
+              requires_grad: bool = False):
+    """(positional tensors, keyword scalars) for `torch.ops.mok.fused_moe` in `case`.
+
+    H != 2I and H != I so that a wrong layout cannot pass by accident. Scales give
+    well separated router scores (no ties) and unit-scale expert activations.
+    dtype overrides the case's dtype for every tensor (router included).
+    """
+    E = case.num_experts
+    x_dtype = dtype or case.dtype
+    r_dtype = dtype or case.router_dtype or x_dtype
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, dt=x_dtype):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dt)
+
+    up = 2 * I if case.experts.gated else I
+    x = rand(T, H)
+    router = rand(T, E, scale=1.5, dt=r_dtype) if case.routing.router_is_logits else rand(E, H, scale=0.5, dt=r_dtype)
+    router_bias = rand(E, scale=0.5, dt=r_dtype) if case.router_bias else None
+    selection_bias = rand(E, scale=0.1, dt=torch.float32 if dtype is None else dtype) if case.selection_bias else None
+    if case.experts.transposed:
+        gate_up, down = rand(E, H, up, scale=H**-0.5), rand(E, I, H, scale=I**-0.5)
+    else:
+        gate_up, down = rand(E, up, H, scale=H**-0.5), rand(E, H, I, scale=I**-0.5)
+    gate_up_bias = rand(E, up, scale=0.3) if case.expert_bias else None
+    down_bias = rand(E, H, scale=0.3) if case.expert_bias else None
+    args = [x, router, router_bias, selection_bias, gate_up, gate_up_bias, down, down_bias]
+    if requires_grad:
+        for i in DIFFERENTIABLE:
+            if args[i] is not None:
+                args[i].requires_grad_()
+    return tuple(args), op_kwargs(case.routing, case.experts)
+
+
+# Positions of the op's tensor arguments that get a gradient (selection_bias only chooses experts).
+DIFFERENTIABLE = (0, 1, 2, 4, 5, 6, 7)
+ARG_NAMES = ("hidden_states", "router", "router_bias", "selection_bias", "gate_up_proj", "gate_up_bias", "down_proj",
+             "down_bias")
+
+
+def with_case(case: Case, **changes) -> Case:
+    return dataclasses.replace(case, **changes)
+
+
+# ----------------------------------------------------------------------------- dense oracle
+
+
+def _largest(values: torch.Tensor, k: int, allowed=None) -> list[int]:
+    """Indices of the k largest entries (among `allowed`), by plain Python sorting."""
+    idx = range(values.shape[0]) if allowed is None else allowed
+    values = values.detach()
+    return sorted(idx, key=lambda i: -float(values[i]))[:k]
+
+
+def _sigmoid(v):
+    return 1 / (1 + torch.exp(-v))
+
+
+def _activation(h, spec: ExpertSpec, I: int):
+    if spec.gated:
+        g, u = (h[0::2], h[1::2]) if spec.interleaved else (h[:I], h[I:])
+        if spec.activation == "silu":
+            return g * _sigmoid(g) * u
+        if spec.activation == "gelu_tanh":
+            return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+        if spec.activation == "clamped_silu":
+            g = torch.clamp(g, max=spec.limit)
+            u = torch.clamp(u, min=-spec.limit, max=spec.limit)
+            return (u + 1) * g * _sigmoid(spec.alpha * g)
+    else:
+        relu = torch.where(h > 0, h, torch.zeros_like(h))
+        if spec.activation == "relu2":
+            return relu * relu
+        if spec.activation == "relu":
+            return relu
+        if spec.activation == "silu":
+            return h * _sigmoid(h)
+        if spec.activation == "gelu":
+            return 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+        if spec.activation == "gelu_tanh":
+            return 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+    raise AssertionError(f"oracle lacks {spec}")
+
+
+def dense_oracle(args, kwargs):
+    """(out [T, H], weights {(t, expert): w}) of the MoE, token by token; differentiable.
+
+    Weights are keyed by expert id, so comparisons do not depend on the order in
+    which a kernel returns the k choices.
+    """
+    kw = with_defaults(kwargs)
+    spec = ExpertSpec(**{f.name: kw[f.name] for f in dataclasses.fields(ExpertSpec)})
+    x, router, router_bias, selection_bias, gate_up, gate_up_bias, down, down_bias = args
+    T, H = x.shape
+    E = gate_up.shape[0]
+    I = down.shape[1] if spec.transposed else down.shape[2]
+    K = kw["top_k"]
+    outs, weights = [], {}
+    for t in range(T):
+        if kw["router_is_logits"]:
+            logits = router[t]
+        else:
+            logits = router @ x[t] + (0 if router_bias is None else router_bias)
+        if kw["routing"] == "softmax_topk":
+            p = torch.exp(logits - logits.max())
+            p = p / p.sum()
+            chosen = _largest(p, K)
+            w = p[chosen]
+        elif kw["routing"] == "topk_softmax":
+            chosen = _largest(logits, K)
+            z = torch.exp(logits[chosen] - logits[chosen].max())
+            w = z / z.sum()
+        else:
+            s = _sigmoid(logits)
+            c = s if selection_bias is None else s + selection_bias
+            allowed = list(range(E))
+            if kw["n_group"] > 1:
+                size = E // kw["n_group"]
+                group_score = torch.stack([c[g * size:(g + 1) * size].sort(descending=True)[0][:2].sum()
+                                           for g in range(kw["n_group"])])
+                kept = _largest(group_score, kw["topk_group"])
+                allowed = [e for e in range(E) if e // size in kept]
+            chosen = _largest(c, K, allowed)
+            w = s[chosen]
+        if kw["renormalize"]:
+            w = w / (w.sum() + kw["renorm_eps"])
+        w = w * kw["routed_scale"]
+        y = torch.zeros_like(x[t])
+        for k, e in enumerate(chosen):
+            h = x[t] @ gate_up[e] if spec.transposed else gate_up[e] @ x[t]
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e]
+            a = _activation(h, spec, I)
+            o = a @ down[e] if spec.transposed else down[e] @ a
+            if down_bias is not None:
+                o = o + down_bias[e]
+            y = y + w[k] * o
+            weights[(t, e)] = w[k]
+        outs.append(y)
+    out = torch.stack(outs) if outs else x.new_zeros(0, H)
+    return out, weights
+
+
+def weights_by_expert(topk_weights, topk_ids) -> dict:
+    """The op's routing as {(t, expert): weight}, comparable with `dense_oracle`'s."""
+    return {(t, int(e)): topk_weights[t, k] for t in range(topk_ids.shape[0])
+            for k, e in enumerate(topk_ids[t].tolist())}
+
+
+def routing_probe(T: int, E: int, dtype=torch.float64, seed: int = 1):
+    """A [T, E] weighting for a loss on the routing weights that does not depend on the k order."""
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed), dtype=dtype)
