@@ -1,0 +1,226 @@
+"""One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
+
+    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss] [--tokens 256,4096]
+
+For each shape and token count T, in bf16 with random weights (std 0.02):
+  hf        transformers' block, experts_implementation="grouped_mm" (its default), eager
+  hf+comp   the same block under torch.compile (inductor, static shapes)
+  mok       torch.ops.mok.fused_moe called on the block's own weights (routing included; a shared
+            expert, as DeepSeek-V3 has, is computed outside the op, as HF does)
+forward (no_grad) and forward+backward (loss = mean(out^2), x and all weights require grad),
+medians of triton.testing.do_bench. The floor is max(FLOPs / measured bf16 matmul rate,
+expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for fwd+bwd) and
+weight bytes read once forward (x3 for fwd+bwd: read twice, gradients written once); both
+ceilings are measured in the same run. Peak memory is torch.cuda.max_memory_allocated over one
+fwd+bwd minus what was allocated before. Writes results.json and speedup.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
+from mok_compile import hf_blocks
+from mok_compile.hf_blocks import BlockSizes
+
+# name -> (HF model type, sizes, config overrides, token counts)
+SHAPES = {
+    "qwen3": ("qwen3_moe", BlockSizes(hidden=2048, intermediate=768, experts=128, top_k=8), {}, (256, 4096, 16384)),
+    "mixtral": ("mixtral", BlockSizes(hidden=4096, intermediate=14336, experts=8, top_k=2), {}, (256, 4096, 16384)),
+    # Real DeepSeek-V3 groups its 256 experts in 8 groups and keeps the best 4.
+    "deepseek_v3": ("deepseek_v3", BlockSizes(hidden=7168, intermediate=2048, experts=256, top_k=8),
+                    dict(n_group=8, topk_group=4), (256, 4096)),
+    "gpt_oss": ("gpt_oss", BlockSizes(hidden=2880, intermediate=2880, experts=32, top_k=4), {}, (256, 4096)),
+}
+
+
+def bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def measure_ceilings() -> dict:
+    """bf16 8192^3 matmul TFLOP/s (random data) and device copy TB/s (bytes read + written)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t_mm = bench(lambda: a @ b)
+    src = torch.randn(2**29, device="cuda", dtype=torch.float32)  # 2 GiB
+    dst = torch.empty_like(src)
+    t_cp = bench(lambda: dst.copy_(src))
+    return {"matmul_tflops": 2 * 8192**3 / t_mm / 1e9, "copy_tbps": 2 * src.numel() * 4 / t_cp / 1e9}
+
+
+def build_block(family, sizes, overrides):
+    """The HF block at real sizes, built directly on the GPU in bf16 (no fp32 CPU copy of the weights)."""
+    cfg = hf_blocks.make_config(family, sizes, **overrides)
+    cfg._experts_implementation = "grouped_mm"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            block = hf_blocks._block_class(family)(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in list(block.named_parameters()) + list(block.named_buffers()):
+            if p.is_floating_point():
+                std = 0.1 if name.endswith("e_score_correction_bias") else 0.02
+                p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * std)
+    if family == "deepseek_v3":  # HF keeps this router in fp32 in a bf16 model
+        block.gate.float()
+    return block.eval()
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def make_runners(family, block):
+    """Callables x -> out for hf, hf+comp and mok (same weights)."""
+    tensors, kw = hf_blocks.op_arguments(family, block)
+    shared = getattr(block, "shared_experts", None)
+
+    def mok(x):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mok.fused_moe(x2, *tensors, **kw)[0].view_as(x)
+        return out if shared is None else out + shared(x)
+
+    def hf(x):
+        return _first(block(x))
+
+    compiled = torch.compile(hf, dynamic=False)
+    return {"hf": hf, "hf+comp": compiled, "mok": mok}
+
+
+def fwd_bwd(fn, x, params):
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        fn(x).float().square().mean().backward()
+
+    return step
+
+
+def peak_bytes(step) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def run_shape(name, tokens, ceilings, log):
+    family, sizes, overrides, default_tokens = SHAPES[name]
+    H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
+    block = build_block(family, sizes, overrides)
+    runners = make_runners(family, block)
+    params = [p for p in block.parameters() if p.requires_grad]
+    rows = []
+    for T in tokens or default_tokens:
+        x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
+        flops = T * K * 3 * 2 * H * I
+        weight_bytes = E * 3 * H * I * 2
+        floor_f = max(flops / ceilings["matmul_tflops"] / 1e9, weight_bytes / ceilings["copy_tbps"] / 1e9)
+        floor_fb = max(3 * flops / ceilings["matmul_tflops"] / 1e9, 3 * weight_bytes / ceilings["copy_tbps"] / 1e9)
+        row = {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "floor_fwd_ms": floor_f,
+               "floor_fwd_bwd_ms": floor_fb}
+        with torch.no_grad():
+            ref = runners["hf"](x).float()
+            got = runners["mok"](x).float()
+            row["mok_vs_hf_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        for which, fn in runners.items():
+            t0 = time.time()
+            with torch.no_grad():
+                row[f"{which}_fwd_ms"] = bench(lambda: fn(x))
+            xg = x.clone().requires_grad_()
+            step = fwd_bwd(fn, xg, params)
+            step()  # compile / warm up
+            row[f"{which}_fwd_bwd_ms"] = bench(step)
+            row[f"{which}_fwd_bwd_peak_gb"] = peak_bytes(step) / 1e9
+            log(f"  {name} T={T} {which}: fwd {row[f'{which}_fwd_ms']:.3f} ms, fwd+bwd "
+                f"{row[f'{which}_fwd_bwd_ms']:.3f} ms, peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB "
+                f"({time.time() - t0:.0f} s incl. compile)")
+        rows.append(row)
+    del block, runners
+    torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows, ceilings) -> str:
+    lines = [f"ceilings: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s",
+             "| shape | T | hf fwd | hf+comp fwd | mok fwd | x vs comp | floor/mok | hf f+b | hf+comp f+b | mok f+b "
+             "| x vs comp | floor/mok | peak GB hf / comp / mok | err vs hf |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['T']} | {r['hf_fwd_ms']:.3f} | {r['hf+comp_fwd_ms']:.3f} | {r['mok_fwd_ms']:.3f} "
+            f"| {r['hf+comp_fwd_ms'] / r['mok_fwd_ms']:.2f} | {r['floor_fwd_ms'] / r['mok_fwd_ms']:.2f} "
+            f"| {r['hf_fwd_bwd_ms']:.3f} | {r['hf+comp_fwd_bwd_ms']:.3f} | {r['mok_fwd_bwd_ms']:.3f} "
+            f"| {r['hf+comp_fwd_bwd_ms'] / r['mok_fwd_bwd_ms']:.2f} | {r['floor_fwd_bwd_ms'] / r['mok_fwd_bwd_ms']:.2f} "
+            f"| {r['hf_fwd_bwd_peak_gb']:.2f} / {r['hf+comp_fwd_bwd_peak_gb']:.2f} / {r['mok_fwd_bwd_peak_gb']:.2f} "
+            f"| {r['mok_vs_hf_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        rs = [r for r in rows if r["shape"] == name]
+        T = [r["T"] for r in rs]
+        ax1.plot(T, [r["hf+comp_fwd_ms"] / r["mok_fwd_ms"] for r in rs], "o-", label=f"{name} fwd")
+        ax1.plot(T, [r["hf+comp_fwd_bwd_ms"] / r["mok_fwd_bwd_ms"] for r in rs], "s--", label=f"{name} fwd+bwd")
+        ax2.plot(T, [r["floor_fwd_ms"] / r["mok_fwd_ms"] for r in rs], "o-", label=f"{name} fwd")
+        ax2.plot(T, [r["floor_fwd_bwd_ms"] / r["mok_fwd_bwd_ms"] for r in rs], "s--", label=f"{name} fwd+bwd")
+    for ax, title in ((ax1, "speedup of mok vs HF grouped_mm + torch.compile"), (ax2, "mok: fraction of floor")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.axhline(1.0, color="k", lw=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="", help="comma-separated T values (default: per shape)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    log_file = open(os.path.join(args.out, "moe_layer.log"), "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+
+    torch.manual_seed(0)
+    ceilings = measure_ceilings()
+    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {ceilings}")
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    rows = []
+    for name in args.shapes.split(","):
+        rows += run_shape(name, tokens, ceilings, log)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
+    plot(rows, os.path.join(args.out, "speedup.png"))
+    log(table(rows, ceilings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Pick block sizes for the grouped kernels by timing candidates; writes the `configs.json` format.
+
+    python -m mok_compile.kernels.tune --out DIR [--jobs 8]
+
+Times each kernel (gate_up, down, dgrad, bwd_hidden, wgrad) alone, on the routing of real
+layer sizes, for a few candidate configs per row-count bucket, and keeps the fastest. Candidates are
+first compiled in parallel worker processes (Triton's on-disk cache), then timed one at a time in
+this process so that timings never overlap. Run on the target GPU; commit the JSON as data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+# (H, I, E, K, T): one tuning shape per bucket of rows per expert (T*K/E).
+TUNE_SHAPES = [
+    (2048, 768, 128, 8, 256),     # m16   Qwen3 small batch
+    (4096, 14336, 8, 2, 256),     # m64   Mixtral small batch
+    (2048, 768, 128, 8, 4096),    # m256  Qwen3
+    (2048, 768, 128, 8, 16384),   # m1024 Qwen3 large
+    (4096, 14336, 8, 2, 16384),   # mbig  Mixtral large
+]
+
+
+def _mm(bm, bn, bk, w, s):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
+
+
+def _wg(bp, bq, br, w, s):
+    return dict(BLOCK_P=bp, BLOCK_Q=bq, BLOCK_R=br, num_warps=w, num_stages=s)
+
+
+def candidates(kernel, bucket):
+    small = bucket in ("m16", "m64")
+    if kernel in ("gate_up", "down", "dgrad"):
+        if small:
+            return [_mm(16, 64, 128, 4, 4), _mm(16, 128, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4),
+                    _mm(64, 128, 64, 4, 4)]
+        c = [_mm(64, 128, 64, 4, 4), _mm(64, 128, 64, 8, 3), _mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 4, 4)]
+        if kernel != "gate_up":
+            c.append(_mm(128, 256, 64, 8, 3))
+        return c
+    if kernel == "bwd_hidden":
+        if small:
+            return [_mm(16, 64, 128, 4, 3), _mm(32, 64, 64, 4, 3), _mm(64, 64, 64, 4, 3)]
+        return [_mm(64, 64, 64, 4, 3), _mm(64, 128, 64, 8, 3), _mm(128, 64, 64, 8, 3), _mm(128, 128, 64, 8, 2)]
+    if small:
+        return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3)]
+    return [_wg(128, 128, 64, 8, 3), _wg(128, 64, 64, 4, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 32, 8, 4)]
+
+
+class _Problem:
+    """Random layer + real routing at one shape; `launch(kernel, cfg)` runs one kernel."""
+
+    def __init__(self, H, I, E, K, T):
+        from . import moe
+        from .dispatch import Dispatch
+        from .routing import route
+
+        torch.manual_seed(0)
+        dev, dt = "cuda", torch.bfloat16
+        self.moe, self.H, self.I, self.E, self.K, self.T = moe, H, I, E, K, T
+        self.x = torch.randn(T, H, device=dev, dtype=dt)
+        self.go = torch.randn(T, H, device=dev, dtype=dt)
+        self.w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * 0.02
+        self.w2 = torch.randn(E, H, I, device=dev, dtype=dt) * 0.02
+        logits = self.x @ (torch.randn(E, H, device=dev, dtype=dt) * 0.02).t()
+        self.w, self.ids, counts, block_t = route(logits, None, top_k=K, routing="softmax_topk", softmax_fp32=True,
+                                                  renormalize=True, renorm_eps=0.0, routed_scale=1.0, n_group=1,
+                                                  topk_group=1, weights_dtype=torch.float32)
+        self.disp = Dispatch(self.ids, counts, E, block_t)
+        TK = T * K
+        self.act = torch.randn(TK, I, device=dev, dtype=dt)
+        self.dh = torch.randn(TK, 2 * I, device=dev, dtype=dt)
+        self.out_h = torch.empty(TK, H, device=dev, dtype=dt)
+        self.kw = dict(alpha=1.702, limit=7.0)
+
+    def launch(self, kernel, cfg):
+        m = self.moe
+        H, I, E, K = self.H, self.I, self.E, self.K
+        if kernel == "gate_up":
+            m._gemm(self.x, self.disp, self.w1, m._gate_up_strides(self.w1, False), None, self.act, n=I, kd=H,
+                    gather=True, gated=True, act=1, col_mul=1, up_off=I, kw=self.kw, cfg=cfg, precision="ieee")
+        elif kernel == "down":
+            m._gemm(self.act, self.disp, self.w2, m._down_strides(self.w2, False), None, self.out_h, n=H, kd=I,
+                    gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision="ieee")
+        elif kernel == "dgrad":
+            k_, n_ = m._gate_up_strides(self.w1, False)
+            m._gemm(self.dh, self.disp, self.w1, (n_, k_), None, self.out_h, n=H, kd=2 * I, gather=False,
+                    gated=False, act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision="ieee")
+        elif kernel == "wgrad":  # the larger of the two: dW1
+            d = torch.empty_like(self.w1)
+            m._wgrad(self.dh, self.x, self.disp, None, d, None, P=2 * I, Q=H, p_gather=False, q_gather=True,
+                     strides_pq=m._gate_up_strides(d, False)[::-1], cfg=cfg, precision="ieee")
+        elif kernel == "bwd_hidden":
+            import triton
+
+            from .grouped_gemm import _bwd_hidden_kernel
+
+            TK = self.T * K
+            parts = torch.empty(triton.cdiv(I, cfg["BLOCK_N"]), TK, device="cuda")
+            w1k, w1n = m._gate_up_strides(self.w1, False)
+            w2i, w2h = m._down_strides(self.w2, False)
+            grid = (m._grid_rows(TK, E, cfg["BLOCK_M"]) * parts.shape[0],)
+            _bwd_hidden_kernel[grid](
+                self.x, self.go, self.disp.sorted_pair, self.w.reshape(-1), self.w1, self.x, self.w2, self.dh,
+                self.act, parts, self.disp.expert_count, self.disp.expert_start, I, H, E, TK, H, H,
+                self.w1.stride(0), w1k, w1n, 0, self.w2.stride(0), w2h, w2i, 2 * I, I, 1, I, 1.702, 7.0,
+                TOPK=K, GATED=True, ACT=1, HAS_BIAS=False, PRECISION="ieee",
+                BLOCK_E=triton.next_power_of_2(E), **cfg)
+
+
+def _jobs():
+    from .configs import bucket
+
+    for shape in TUNE_SHAPES:
+        H, I, E, K, T = shape
+        b = bucket(T * K / E)
+        for kernel in ("gate_up", "down", "dgrad", "bwd_hidden", "wgrad"):
+            yield shape, b, kernel
+
+
+def _compile_worker(shape):
+    """Run every candidate once at `shape` (fills Triton's cache); failures are timed out later."""
+    p = _Problem(*shape)
+    from .configs import bucket
+
+    b = bucket(shape[4] * shape[3] / shape[2])
+    for kernel in ("gate_up", "down", "dgrad", "bwd_hidden", "wgrad"):
+        for cfg in candidates(kernel, b):
+            try:
+                p.launch(kernel, cfg)
+            except Exception:
+                pass
+    torch.cuda.synchronize()
+    return shape
+
+
+def main():
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--jobs", type=int, default=5)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+        list(pool.map(_compile_worker, TUNE_SHAPES))
+    results, best = [], {}
+    problems = {}
+    for shape, b, kernel in _jobs():
+        p = problems.setdefault(shape, _Problem(*shape))
+        timed = []
+        for cfg in candidates(kernel, b):
+            try:
+                ms = triton.testing.do_bench(lambda: p.launch(kernel, cfg), warmup=10, rep=40, return_mode="median")
+            except Exception as err:  # e.g. out of shared memory
+                print(f"{kernel} {b} {cfg}: failed ({type(err).__name__})", flush=True)
+                continue
+            timed.append((ms, cfg))
+            results.append(dict(shape=shape, bucket=b, kernel=kernel, cfg=cfg, ms=ms))
+            print(f"{kernel:10s} {b:6s} {shape} {cfg} {ms:.4f} ms", flush=True)
+        if timed:
+            best[f"{kernel}/16bit/{b}"] = min(timed, key=lambda t: t[0])[1]
+    device = torch.cuda.get_device_name()
+    with open(os.path.join(args.out, "configs.json"), "w") as f:
+        json.dump({device: best}, f, indent=1, sort_keys=True)
+    with open(os.path.join(args.out, "tune_results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    for k, v in sorted(best.items()):
+        print(k, v)
+
+
+if __name__ == "__main__":
+    main()

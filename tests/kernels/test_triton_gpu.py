@@ -1,0 +1,148 @@
+"""The CUDA kernels of `mok::fused_moe` on a GPU: numerics, gradients, determinism, CUDA graphs, edge shapes."""
+
+import pytest
+import torch
+
+from mok_compile.ops import reference
+from tests.kernels.cases import VARIANTS, fp32_expert_reference, make_case, rel_err
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+FWD_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
+
+
+def _op(tensors, kw):
+    return torch.ops.mok.fused_moe(*tensors, **kw)
+
+
+def _backward(tensors, kw, w, ids, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    go = torch.randn(tensors[0].shape, device=DEV, generator=g).to(tensors[0].dtype)
+    gw = torch.randn(w.shape, device=DEV, generator=g).to(w.dtype)
+    return go, gw, torch.ops.mok.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
+
+
+def _check(tensors, kw, dtype):
+    out, w, ids = _op(tensors, kw)
+    assert out.isfinite().all()
+    r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
+    same = (ids.sort(1)[0] == r_ids.sort(1)[0]).all(1)
+    assert same.float().mean() > 0.99  # routing ties at the last ulp may differ, nothing more
+    if same.any():
+        assert rel_err(out[same], r_out[same]) < FWD_TOL[dtype]
+        order, r_order = ids.sort(1)[1], r_ids.sort(1)[1]
+        assert rel_err(w.gather(1, order)[same], r_w.gather(1, r_order)[same]) < FWD_TOL[dtype]
+    assert rel_err(out, fp32_expert_reference(tensors, kw, w, ids)) < FWD_TOL[dtype]
+    go, gw, grads = _backward(tensors, kw, w, ids)
+    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    for name, a, b in zip(GRAD_NAMES, grads, r_grads):
+        assert (a is None) == (b is None), name
+        if b is not None:
+            assert rel_err(a, b) < GRAD_TOL[dtype], (name, rel_err(a, b))
+
+
+# Every variant in bf16; fp16 and fp32 for one of each routing family and expert layout.
+CASES = [(v, torch.bfloat16) for v in sorted(VARIANTS)]
+CASES += [(v, dt) for v in ("qwen3", "deepseek_v3", "gpt_oss", "relu2") for dt in (torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("variant,dtype", CASES)
+def test_variant_matches_reference(variant, dtype):
+    tensors, kw = make_case(variant, T=300, H=200, I=72, E=16, K=4, dtype=dtype, device=DEV, seed=len(variant))
+    _check(tensors, kw, dtype)
+
+
+@pytest.mark.parametrize("T", [1, 7, 129, 1000])
+def test_odd_token_counts(T):
+    tensors, kw = make_case("qwen3", T=T, H=136, I=40, E=12, K=3, dtype=torch.bfloat16, device=DEV, seed=T)
+    _check(tensors, kw, torch.bfloat16)
+
+
+def test_zero_tokens():
+    tensors, kw = make_case("mixtral", T=0, H=64, I=32, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    out, w, ids = _op(tensors, kw)
+    assert out.shape == (0, 64) and w.shape == (0, 2) and ids.shape == (0, 2)
+    _, _, grads = _backward(tensors, kw, w, ids)
+    assert all(g is None or (g == 0).all() for g in grads)
+
+
+def test_all_tokens_on_the_same_experts():
+    T, E, K = 513, 32, 4
+    logits = torch.randn(T, E) * 0.01
+    logits[:, 5:5 + K] += 10.0  # every token picks experts 5..8
+    tensors, kw = make_case("qwen3", T=T, H=192, I=80, E=E, K=K, dtype=torch.bfloat16, device=DEV, logits=logits)
+    out, _, ids = _op(tensors, kw)
+    assert set(ids.unique().tolist()) == set(range(5, 5 + K))
+    _check(tensors, kw, torch.bfloat16)
+
+
+def test_256_experts_most_empty_top8():
+    T, E, K = 700, 256, 8
+    logits = torch.randn(T, E)
+    logits[:, ::23] += 12.0  # 12 experts take almost everything
+    tensors, kw = make_case("deepseek_v3", T=T, H=128, I=64, E=E, K=K, dtype=torch.bfloat16, device=DEV,
+                            logits=logits)
+    _check(tensors, kw, torch.bfloat16)
+    tensors, kw = make_case("qwen3", T=T, H=128, I=64, E=E, K=K, dtype=torch.bfloat16, device=DEV, seed=3)
+    _check(tensors, kw, torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3"])
+def test_bitwise_deterministic(variant):
+    tensors, kw = make_case(variant, T=2000, H=256, I=128, E=32, K=4, dtype=torch.bfloat16, device=DEV)
+    runs = []
+    for _ in range(2):
+        out, w, ids = _op(tensors, kw)
+        _, _, grads = _backward(tensors, kw, w, ids)
+        runs.append((out, w, ids, *[g for g in grads if g is not None]))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture_and_replay():
+    tensors, kw = make_case("qwen3", T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV)
+    static = [t.clone() if t is not None else None for t in tensors]
+    go = torch.randn_like(static[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
+        for _ in range(2):
+            out, w, ids = _op(static, kw)
+            torch.ops.mok.fused_moe_backward(go, None, *static, w, ids, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, w, ids = _op(static, kw)
+        grads = torch.ops.mok.fused_moe_backward(go, None, *static, w, ids, **kw)
+    fresh, _ = make_case("qwen3", T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV, seed=7)
+    static[0].copy_(fresh[0])
+    graph.replay()
+    e_out, e_w, e_ids = _op(static, kw)
+    e_grads = torch.ops.mok.fused_moe_backward(go, None, *static, e_w, e_ids, **kw)
+    assert torch.equal(out, e_out) and torch.equal(ids, e_ids)
+    for a, b in zip(grads, e_grads):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_autograd_through_the_op_uses_cuda_kernels():
+    tensors, kw = make_case("mixtral", T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in tensors]
+    leaves[3] = None
+    out, w, ids = _op(leaves, kw)
+    (out.float().square().mean() + w.float().sum()).backward()
+    ref = [t.detach().requires_grad_() if t is not None else None for t in tensors]
+    ref[3] = None
+    r_out, r_w, _ = reference.fused_moe_reference(*ref, **kw)
+    (r_out.float().square().mean() + r_w.float().sum()).backward()
+    for a, b in zip(leaves, ref):
+        if a is not None:
+            assert rel_err(a.grad, b.grad) < 3e-2
+
+
+def test_float64_falls_back_to_reference():
+    tensors, kw = make_case("qwen3", T=50, H=32, I=16, E=8, K=2, dtype=torch.float64, device=DEV)
+    out, w, ids = _op(tensors, kw)
+    r_out, _, _ = reference.fused_moe_reference(*tensors, **kw)
+    assert torch.equal(out, r_out)
