@@ -47,7 +47,7 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Backend
     """
     from mok_compile.passes import fuse_moe
 
-    saved_graph = None if opts.strict else copy.deepcopy(gm.graph)
+    saved_graph = None if opts.strict else snapshot_graph(gm.graph)
     try:
         report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict)
     except Exception:
@@ -61,6 +61,21 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Backend
         log.info("mok: graph %s: fused %d of %d MoE block(s)", _graph_name(gm), len(report.fused), len(report.blocks))
     diagnostics.warn_eager_fragments(report)
     return report
+
+
+def snapshot_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `graph` that can replace it later, Dynamo's node attributes included.
+
+    `copy.deepcopy` copies node meta but not attributes Dynamo sets on nodes
+    (a placeholder's `_dynamo_source`, which AOT autograd reads), so those are
+    carried over by hand.
+    """
+    snapshot = copy.deepcopy(graph)
+    originals = {node.name: node for node in graph.nodes}  # graph_copy keeps node names
+    for new in snapshot.nodes:
+        for key, value in vars(originals[new.name]).items():
+            vars(new).setdefault(key, value)
+    return snapshot
 
 
 def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: BackendOptions) -> Callable:

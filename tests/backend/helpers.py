@@ -16,6 +16,22 @@ def tiny_model(family: str, dtype=torch.float32, **overrides):
     return make_causal_lm(family, num_layers=NUM_LAYERS, dtype=dtype, **overrides)
 
 
+def tiny_jetmoe(dtype=torch.float32):
+    """JetMoE: experts in the MLP *and* the attention (MoA); `expert_size.tolist()` breaks Dynamo's graph."""
+    import transformers
+
+    cfg = transformers.JetMoeConfig(hidden_size=64, num_hidden_layers=NUM_LAYERS, num_key_value_heads=2, kv_channels=16,
+                                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, vocab_size=VOCAB,
+                                    max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model.to(dtype).eval()
+
+
 def token_ids(batch=2, seq=16, seed=1):
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -49,4 +65,4 @@ def assert_close_rel(actual, expected, tol, what=""):
     assert err <= tol, f"{what}: relative max error {err:.3g} > {tol:g}"
 
 
-__all__ = ["FAMILIES", "NUM_LAYERS", "tiny_model", "token_ids", "forward", "rel_err", "assert_close_rel"]
+__all__ = ["FAMILIES", "NUM_LAYERS", "tiny_model", "tiny_jetmoe", "token_ids", "forward", "rel_err", "assert_close_rel"]
