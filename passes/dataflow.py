@@ -1,0 +1,73 @@
+"""Data dependencies of an FX graph, including the ones in-place ops hide.
+
+FX edges only say which node object is passed where. After ``t.index_add_(...)``
+or ``t[perm] = v`` a later reader of ``t`` depends on the writer too, although
+no edge says so. `Dataflow` adds those edges (a reader of ``t`` depends on
+every writer of ``t`` placed before it), so slices computed here include the
+writes that give a tensor its value, and the pass never cuts a region in the
+middle of a sequence of mutations.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch.fx as fx
+
+from .op_names import mutated_input
+
+
+class Dataflow:
+    def __init__(self, graph: fx.Graph):
+        self.order = {n: i for i, n in enumerate(graph.nodes)}
+        self.writers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+        for n in graph.nodes:
+            target = mutated_input(n)
+            if target is not None:
+                self.writers[target].append(n)
+
+    def inputs(self, node: fx.Node) -> list[fx.Node]:
+        """Nodes whose values `node` reads: its arguments and the earlier writers of those arguments."""
+        deps = list(node.all_input_nodes)
+        pos = self.order[node]
+        for a in node.all_input_nodes:
+            deps.extend(w for w in self.writers.get(a, ()) if self.order[w] < pos and w is not node)
+        return deps
+
+    def readers(self, node: fx.Node) -> list[fx.Node]:
+        """Nodes that read the value `node` produced (or, for a writer, the tensor state it left)."""
+        out = list(node.users)
+        target = mutated_input(node)
+        if target is not None:
+            pos = self.order[node]
+            out.extend(u for u in target.users if self.order[u] > pos)
+        return out
+
+    def backward_slice(self, roots, stop) -> set[fx.Node]:
+        """Every node the values of `roots` depend on, not walking past nodes for which `stop(n)` is true."""
+        seen: set[fx.Node] = set()
+        work = list(roots)
+        while work:
+            n = work.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if stop(n):
+                continue
+            work.extend(self.inputs(n))
+        return seen
+
+    def forward_slice(self, roots, within=None) -> set[fx.Node]:
+        """Every node that reads (transitively) a value of `roots`, restricted to `within` when given."""
+        seen: set[fx.Node] = set()
+        work = list(roots)
+        while work:
+            n = work.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            work.extend(u for u in self.readers(n) if within is None or u in within)
+        return seen
+
+    def sorted(self, nodes) -> list[fx.Node]:
+        return sorted(nodes, key=self.order.__getitem__)

@@ -1,0 +1,223 @@
+"""Read the expert math (an `ExpertSpec`) and the expert weights off a matched region.
+
+Stacked weights (transformers 5.x ``*Experts``: grouped_mm, batched_mm, eager-with-capture)::
+
+    W1 [E, 2I, H] (or [E, H, 2I])   W2 [E, H, I] (or [E, I, H])   b1 [E, 2I]?   b2 [E, H]?
+    h  = M1(x routed to e, W1[e]) (+ b1[e])        M1, M2: grouped_mm | bmm(W[ids], .) | matmul | linear
+    a  = act(split(h))                             split: chunk(2) | [..., ::2], [..., 1::2] | none
+    y  = M2(a, W2[e]) (+ b2[e])
+    out = combine(w * y)                           w: routing weights, reshaped/indexed only
+
+Per-expert weights (an ``nn.ModuleList`` of MLPs traced through a loop)::
+
+    for e in experts hit:   y_e = down_e(act(gate_e(x_e)) * up_e(x_e))   (or down_e(act(up_e(x_e))))
+
+are handled in `loop_experts.py`, which returns the same `ExpertsMatch` with
+weights stacked in the graph.
+
+The activation is recognised from the multiset of ops between the two
+projections; a form with another op there (e.g. ``tanh``) is not fused.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from mok_compile.ops.spec import ExpertSpec
+
+from .dataflow import Dataflow
+from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, op_name, tensor_meta
+from .region import NoMatch, Region, same
+from .routing import RouterMatch
+
+
+@dataclass(frozen=True)
+class Stack:
+    """An expert weight built in the graph: ``cat([stack(g) for g in groups], dim=1)`` (one group: a stack)."""
+
+    groups: tuple[tuple[fx.Node, ...], ...]
+
+
+@dataclass
+class ExpertsMatch:
+    form: str
+    gate_up: fx.Node | Stack
+    gate_up_bias: fx.Node | Stack | None
+    down: fx.Node | Stack
+    down_bias: fx.Node | Stack | None
+    intermediate: int
+    specs: list[ExpertSpec] = field(default_factory=list)  # candidates; validation keeps the first that matches
+
+
+def _is_interleave_slice(node: fx.Node) -> bool:
+    if op_name(node) != "getitem":
+        return False
+    idx = node.args[1]
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return any(isinstance(s, slice) and s.step == 2 for s in idx)
+
+
+def _const(node: fx.Node):
+    for a in node.args[1:]:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return float(a)
+    return None
+
+
+def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last: fx.Node, bias_side: set[fx.Node]):
+    """(gated, interleaved, activation, alpha, limit) of the ops between the up and down projections."""
+    fwd = flow.forward_slice(first, within=region_nodes)
+    bias_side = bias_side - fwd  # the indexed bias itself, not what the projection makes of it
+    bwd = flow.backward_slice([last], stop=lambda n: n not in region_nodes or n in first)
+    between = (fwd & bwd) - set(first) - {last}
+    kinds = Counter()
+    interleaved = chunked = False
+    for n in between:
+        name = op_name(n)
+        if _is_interleave_slice(n):
+            interleaved = True
+        elif name == "chunk":
+            if arg(n, 1, "chunks") != 2:
+                raise NoMatch("gate/up projection is split in more than two parts")
+            chunked = True
+        elif name == "add" and any(a in bias_side for a in n.all_input_nodes):
+            continue  # bias of the gate/up projection
+        elif name in LAYOUT_OPS_NAMES:
+            continue
+        else:
+            kinds[name] += 1
+    gated = interleaved or chunked or len(first) == 2
+    alpha, limit = 1.702, 7.0
+    kinds = +kinds
+    if gated:
+        if kinds == Counter(silu=1, mul=1):
+            act = "silu"
+        elif kinds == Counter(gelu_tanh=1, mul=1):
+            act = "gelu_tanh"
+        elif kinds == Counter(clamp=2, mul=3, sigmoid=1, add=1):
+            act = "clamped_silu"
+            clamps = [n for n in between if op_name(n) == "clamp"]
+            maxes = {arg(c, 2, "max") for c in clamps}
+            mins = {arg(c, 1, "min") for c in clamps}
+            if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
+                raise NoMatch("clamped SwiGLU has unexpected clamp limits")
+            limit = float(next(iter(maxes)))
+            scales = [_const(n) for n in between if op_name(n) == "mul" and _const(n) is not None]
+            adds = [_const(n) for n in between if op_name(n) == "add" and _const(n) is not None]
+            if len(scales) != 1 or adds != [1.0]:
+                raise NoMatch("clamped SwiGLU has unexpected constants")
+            alpha = scales[0]
+        else:
+            raise NoMatch(f"gated expert activation {dict(kinds)} is not supported")
+    else:
+        table = {("relu", "square"): "relu2", ("pow", "relu"): "relu2", ("relu",): "relu", ("silu",): "silu",
+                 ("gelu",): "gelu", ("gelu_tanh",): "gelu_tanh"}
+        key = tuple(sorted(kinds.elements()))
+        if key not in table:
+            raise NoMatch(f"expert activation {dict(kinds)} is not supported")
+        act = table[key]
+    return gated, interleaved, act, alpha, limit, between
+
+
+def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],
+                             down_matmuls: list[fx.Node]):
+    """Routing weights must only be reshaped/indexed, then multiply the down projection's output."""
+    wf = flow.forward_slice([weights], within=region.nodes) - {weights}
+    if wf & expert_path:
+        raise NoMatch("routing weights are applied before the down projection (e.g. to the expert input); "
+                      "the fused op applies them to the expert output")
+    after_down = flow.forward_slice(down_matmuls, within=region.nodes)
+    joins = [n for n in wf if n in after_down and any(a in after_down for a in n.all_input_nodes)
+             and any(a in wf or a is weights for a in n.all_input_nodes if a not in after_down)]
+    if not joins or any(op_name(j) not in ("mul",) for j in joins):
+        raise NoMatch("routing weights are not multiplied with the expert output")
+    for j in joins:
+        w_side = flow.backward_slice([a for a in j.all_input_nodes if a not in after_down],
+                                     stop=lambda n: n is weights or n not in region.nodes)
+        for n in w_side & wf:
+            if op_name(n) not in LAYOUT_OPS_NAMES:
+                raise NoMatch(f"routing weights go through {op_name(n)!r} ({n.name}) before they are applied")
+
+
+def _form(matmuls: list[fx.Node]) -> str:
+    names = {op_name(m) for m in matmuls}
+    if "grouped_mm" in names:
+        fallback = any(getattr(m.target, "_qualified_op_name", "").startswith("transformers::")
+                       or str(m.target).startswith("transformers.") for m in matmuls)
+        return "grouped_mm_fallback" if fallback else "grouped_mm"
+    if "bmm" in names:
+        return "batched_mm"
+    return "stacked_" + sorted(names)[0]
+
+
+def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, weights3d, biases2d) -> ExpertsMatch:
+    x_meta = tensor_meta(region.x)
+    H, E = region.H, region.E
+    matmuls = [n for n in region.nodes if op_name(n) in MATMUL_OPS and n is not region.router_linear]
+
+    def first_matmul(w):
+        used = flow.forward_slice([w], within=region.nodes)
+        found = [m for m in matmuls if m in used]
+        if not found:
+            raise NoMatch(f"expert weight {w.name} is not used by a matmul")
+        return min(found, key=flow.order.__getitem__)
+
+    (m1, gate_up), (m2, down) = sorted(((first_matmul(w), w) for w in weights3d), key=lambda p: flow.order[p[0]])
+    if m1 is m2:
+        raise NoMatch("both expert weights feed the same matmul")
+    for w in (gate_up, down):
+        meta = tensor_meta(w)
+        if meta.dtype != x_meta.dtype:
+            raise NoMatch(f"expert weight {w.name} has dtype {meta.dtype}, hidden states {x_meta.dtype}")
+        if not same(meta.shape[0], E):
+            raise NoMatch(f"expert weight {w.name} has {meta.shape[0]} experts, the router {E}")
+    bias_role = {}
+    for b in biases2d:
+        used = flow.forward_slice([b], within=region.nodes)
+        adds = [n for n in used if op_name(n) == "add"]
+        if not adds:
+            raise NoMatch(f"expert bias {b.name} is not added")
+        first = min(adds, key=flow.order.__getitem__)
+        bias_role["down" if flow.order[first] > flow.order[m2] else "gate_up"] = b
+    if len(bias_role) != len(biases2d):
+        raise NoMatch("two expert biases play the same role")
+    bias_side = flow.forward_slice([bias_role["gate_up"]], within=region.nodes) if "gate_up" in bias_role else set()
+    gated, interleaved, act, alpha, limit, between = activation_between(flow, region.nodes, [m1], m2, bias_side)
+
+    A, B = tensor_meta(gate_up).shape[1:]
+    C, D = tensor_meta(down).shape[1:]
+    up_out = 2 if gated else 1
+    layouts = []
+    for transposed in (False, True):
+        gu_in, gu_out, inter, dn_out = (A, B, C, D) if transposed else (B, A, D, C)
+        if same(gu_in, H) and same(dn_out, H) and same(gu_out, up_out * inter):
+            layouts.append((transposed, int(inter)))
+    if not layouts:
+        raise NoMatch(f"expert weight shapes {tuple(tensor_meta(gate_up).shape)} / {tuple(tensor_meta(down).shape)} "
+                      f"do not fit hidden size {H}")
+    expert_path = between | {m1, m2}
+    check_weight_application(flow, region, router.weights, expert_path, [m2])
+    specs = [ExpertSpec(activation=act, gated=gated, interleaved=interleaved, transposed=t, alpha=alpha, limit=limit)
+             for t, _ in layouts]
+    return ExpertsMatch(form=_form(matmuls), gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
+                        down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs)
+
+
+def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> ExpertsMatch:
+    """Experts of the region: stacked 3-D weights, or per-expert weights of a module loop."""
+    known = {router.weight, router.bias, router.selection_bias}
+    tensors = [n for n in region.inputs if n not in known and tensor_meta(n) is not None]
+    weights3d = [n for n in tensors if tensor_meta(n).dim() == 3]
+    if weights3d:
+        biases2d = [n for n in tensors if tensor_meta(n).dim() == 2]
+        other = [n for n in tensors if n not in weights3d and n not in biases2d]
+        if len(weights3d) != 2 or len(biases2d) > 2 or other:
+            raise NoMatch(f"unexpected expert inputs {[n.name for n in tensors]} (expected two 3-D weights)")
+        return match_stacked_experts(flow, region, router, weights3d, biases2d)
+    from .loop_experts import match_loop_experts
+
+    return match_loop_experts(flow, region, router, tensors)

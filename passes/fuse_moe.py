@@ -1,0 +1,226 @@
+"""The detection + rewrite pass: every provable MoE block becomes one `torch.ops.mok.fused_moe`.
+
+For each top-k that dispatches to experts (`region.selection_topks`):
+find the block's nodes (`region`), read its routing (`routing`) and expert
+math (`experts`, `loop_experts`), decide which values survive (`rewrite.plan_rewrite`),
+prove the op computes the same thing on random inputs (`validate`), then
+rewrite (`rewrite.emit`). A block that fails any step is left untouched and
+reported with the reason; `strict=True` turns that into an error.
+Graph fragments left by transformers' ``experts_implementation="eager"``
+(Dynamo breaks the graph at ``nonzero``) are reported by `eager_fragments`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx as fx
+
+from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
+
+from .dataflow import Dataflow
+from .experts import ExpertsMatch, Stack, match_experts
+from .op_names import tensor_meta
+from .region import NoMatch, Region, find_region, selection_topks
+from .rewrite import emit, plan_rewrite
+from .routing import RouterMatch, match_router
+from .validate import concrete, probe
+
+log = logging.getLogger("mok_compile.passes")
+
+
+class MoeFusionError(RuntimeError):
+    """Raised by `fuse_moe(strict=True)` for a candidate block that was not fused."""
+
+
+@dataclass
+class BlockReport:
+    name: str
+    fused: bool
+    reason: str
+    form: str
+    num_experts: int | None = None
+    top_k: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    routing: RoutingSpec | None = None
+    experts: ExpertSpec | None = None
+    dtype: torch.dtype | None = None
+
+
+@dataclass
+class FuseReport:
+    blocks: list[BlockReport] = field(default_factory=list)
+
+    @property
+    def fused(self) -> list[BlockReport]:
+        return [b for b in self.blocks if b.fused]
+
+    @property
+    def rejected(self) -> list[BlockReport]:
+        return [b for b in self.blocks if not b.fused]
+
+    def __str__(self):
+        lines = [f"mok: {len(self.fused)} MoE block(s) fused, {len(self.rejected)} left unchanged"]
+        for b in self.blocks:
+            what = "fused" if b.fused else f"NOT fused: {b.reason}"
+            lines.append(f"  {b.name} [{b.form}] E={b.num_experts} K={b.top_k} H={b.hidden} I={b.intermediate}: {what}")
+        return "\n".join(lines)
+
+
+def _module_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?", "", path)       # Dynamo's name for the compiled module
+    path = re.sub(r"\[(\d+)\]", r".\1", path)          # layers[0] -> layers.0
+    return re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+
+
+def block_name(region: Region) -> str:
+    """Module path common to the block's nodes (from nn_module_stack), e.g. "model.layers.0.mlp"."""
+    paths = [p.split(".") for n in region.nodes if (p := _module_path(n)) is not None]
+    if not paths:
+        return region.topk.name
+    common = []
+    for parts in zip(*paths):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(p for p in common if p) or "<compiled module>"
+
+
+def _ensure_meta(gm: fx.GraphModule, example_inputs):
+    """Dynamo graphs carry fake values; other graphs get them from `example_inputs`."""
+    if any(tensor_meta(n) is not None for n in gm.graph.nodes):
+        return
+    if example_inputs is None:
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, fake_mode).propagate(*example_inputs)
+
+
+def _int(v):
+    try:
+        return concrete(v)
+    except TypeError:
+        return None
+
+
+def _minimal_kwargs(routing: RoutingSpec, experts: ExpertSpec) -> dict:
+    """Op keyword arguments that differ from the schema defaults (top_k always): short graphs."""
+    defaults = scalar_defaults()
+    kw = op_kwargs(routing, experts)
+    return {k: v for k, v in kw.items() if k == "top_k" or defaults.get(k, object()) != v}
+
+
+def _roles(router: RouterMatch, experts: ExpertsMatch) -> dict:
+    roles = {router.weight: "router"}
+    for role, operand in (("router_bias", router.bias), ("selection_bias", router.selection_bias),
+                          ("gate_up", experts.gate_up), ("gate_up_bias", experts.gate_up_bias),
+                          ("down", experts.down), ("down_bias", experts.down_bias)):
+        if isinstance(operand, Stack):
+            roles.update({n: role for g in operand.groups for n in g})
+        elif operand is not None:
+            roles[operand] = role
+    return roles
+
+
+def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
+    out = []
+    for operand in (experts.gate_up, experts.gate_up_bias, experts.down, experts.down_bias):
+        if isinstance(operand, Stack):
+            out.extend(n for g in operand.groups for n in g)
+        elif operand is not None:
+            out.append(operand)
+    return out
+
+
+def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport) -> None:
+    flow = Dataflow(gm.graph)
+    region: Region = find_region(gm, flow, topk, ids)
+    report.name = block_name(region)
+    report.num_experts, report.top_k = _int(region.E), region.K
+    report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
+    router = match_router(region)
+    report.routing = router.spec
+    experts = match_experts(flow, region, router)
+    report.form, report.intermediate = experts.form, experts.intermediate
+    plan = plan_rewrite(flow, region, router.weights, _expert_inputs(experts))
+    routing = router.spec
+    router_arg, router_bias = router.weight, router.bias
+    if plan.router_is_logits:
+        routing = replace(routing, router_is_logits=True, router_fp32=False)
+        router_arg, router_bias = region.logits, None
+    report.routing = routing
+    operands = [region.x, router_arg, router_bias, router.selection_bias, experts.gate_up, experts.gate_up_bias,
+                experts.down, experts.down_bias]
+    chosen, failures = None, []
+    if not validate:
+        if len(experts.specs) != 1:
+            raise NoMatch(f"{len(experts.specs)} expert layouts fit the weight shapes; enable validate to choose")
+        chosen = experts.specs[0]
+    else:
+        roles = _roles(router, experts)
+        for spec in experts.specs:
+            kw = {**op_kwargs(routing, spec), "_intermediate": experts.intermediate}
+            why = probe(gm, flow, region, roles, operands, kw, plan.exports)
+            if why is None:
+                chosen = spec
+                break
+            failures.append(why)
+        if chosen is None:
+            raise NoMatch(failures[0])
+    report.experts = chosen
+    emit(gm, flow, region, plan, operands, _minimal_kwargs(routing, chosen))
+    report.fused, report.reason = True, ""
+
+
+def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, validate: bool = True,
+             strict: bool = False) -> FuseReport:
+    """Find every router+experts MoE block in `gm`, rewrite each provable one into `torch.ops.mok.fused_moe`.
+
+    `gm` is a Dynamo torch-level graph (parameters as placeholders or get_attr). The graph is changed in place
+    and recompiled. `validate=False` skips the numerical probe (structural proof only). Unmatched candidates
+    are reported, not raised, unless `strict=True` (then `MoeFusionError`).
+    """
+    from torch._dynamo.utils import counters
+
+    from .eager_fragments import find_eager_fragments
+
+    _ensure_meta(gm, example_inputs)
+    report = FuseReport()
+    anchors = selection_topks(gm, Dataflow(gm.graph))
+    for topk, ids in anchors:
+        if getattr(topk, "_erased", False) or getattr(ids, "_erased", False):
+            continue  # erased with an earlier block
+        block = BlockReport(name=topk.name, fused=False, reason="", form="unknown")
+        try:
+            _fuse_block(gm, topk, ids, validate, block)
+        except NoMatch as err:
+            block.fused, block.reason = False, str(err)
+        report.blocks.append(block)
+    report.blocks.extend(find_eager_fragments(gm))
+    for block in report.blocks:
+        if block.fused:
+            counters["mok"]["fused_moe"] += 1
+            log.info("mok: fused MoE block %s (%s, E=%s, K=%s, %s)", block.name, block.form, block.num_experts,
+                     block.top_k, block.dtype)
+        else:
+            counters["mok"]["rejected_moe"] += 1
+            log.warning("mok: MoE block %s not fused: %s", block.name, block.reason)
+    if report.fused:
+        gm.graph.lint()
+        gm.recompile()
+    if strict and report.rejected:
+        b = report.rejected[0]
+        raise MoeFusionError(f"MoE block {b.name} was not fused: {b.reason}")
+    return report

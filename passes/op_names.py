@@ -1,0 +1,104 @@
+"""What an FX node computes, as one canonical name, whatever spelling Dynamo used.
+
+Dynamo writes the same operation many ways: ``torch.topk`` / ``x.topk``,
+``operator.mul`` / ``torch.mul``, ``F.linear`` / ``torch._C._nn.linear``,
+``x /= s`` (``operator.itruediv``) / ``x.div_(s)``, ``torch._grouped_mm`` /
+``F.grouped_mm`` / ``torch.ops.transformers.grouped_mm_fallback``. The
+detection pass reasons about canonical names (``"topk"``, ``"mul"``,
+``"linear"``, ``"div"``, ``"grouped_mm"``) and asks separately whether a node
+mutates its first argument, so every matcher handles every spelling.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+# Spellings that differ from the canonical name.
+_ALIASES = {
+    "truediv": "div", "floordiv": "floordiv", "true_divide": "div", "divide": "div", "multiply": "mul",
+    "subtract": "sub", "_grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm",
+    "neg": "neg", "invert": "invert", "bitwise_not": "invert", "matmul": "matmul", "pow": "pow",
+    "clip": "clamp", "clamp_max": "clamp", "clamp_min": "clamp_min", "swapaxes": "transpose",
+    "index_select": "index_select", "eq": "eq", "ne": "ne",
+}
+_INPLACE_OPERATORS = {
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
+    operator.ipow: "pow", operator.setitem: "setitem",
+}
+VIEW_OPS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", "expand", "view_as",
+                      "reshape_as", "expand_as", "permute", "transpose", "t"})
+CAST_OPS = frozenset({"float", "to", "type", "type_as", "bfloat16", "half", "double"})
+# Ops that only move, select or re-type data.
+LAYOUT_OPS_NAMES = VIEW_OPS | CAST_OPS | {"getitem", "size", "sym_size", "getattr", "index_select"}
+MATMUL_OPS = frozenset({"linear", "matmul", "mm", "bmm", "grouped_mm", "einsum", "addmm", "baddbmm"})
+
+
+def _raw_name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op != "call_function":
+        return None
+    target = node.target
+    qualified = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
+    if qualified is None and isinstance(target, torch._ops.OpOverload):
+        qualified = target._schema.name
+    if qualified is not None:
+        return qualified.split("::")[-1]
+    return getattr(target, "__name__", None)
+
+
+def op_name(node: fx.Node) -> str | None:
+    """Canonical name of what `node` computes (in-place spellings map to the out-of-place name)."""
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return _INPLACE_OPERATORS[node.target]
+    name = _raw_name(node)
+    if name is None:
+        return None
+    if name.endswith("_") and not name.startswith("_") and name not in ("sort_", "index_add_"):
+        name = name[:-1]  # add_ -> add, scatter_ -> scatter, ...
+    if name == "index_add_":
+        name = "index_add"
+    if name == "gelu" and node.kwargs.get("approximate", "none") == "tanh":
+        return "gelu_tanh"
+    return _ALIASES.get(name, name)
+
+
+def mutated_input(node: fx.Node) -> fx.Node | None:
+    """The node whose tensor `node` writes in place (its first argument), or None for pure ops."""
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        first = node.args[0]
+    else:
+        name = _raw_name(node)
+        if name is None or not name.endswith("_") or name.startswith("_"):
+            if node.kwargs.get("inplace") is True:
+                first = node.args[0] if node.args else None
+            elif "out" in node.kwargs:
+                first = node.kwargs["out"]
+            else:
+                return None
+        else:
+            first = node.args[0] if node.args else None
+    return first if isinstance(first, fx.Node) else None
+
+
+def tensor_meta(node) -> torch.Tensor | None:
+    """The fake tensor Dynamo/FakeTensorProp recorded for `node` (None for non-tensors)."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("val", node.meta.get("example_value"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def meta_value(node):
+    """Recorded value of `node` (tensor, SymInt, tuple, ...), or None."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument `index` (positional) or `name` (keyword) of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)

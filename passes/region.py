@@ -1,0 +1,271 @@
+"""Find the nodes of one MoE block in a Dynamo graph, by structure.
+
+    root ──view──> x [T, H] ─(cast)─ linear(W_r, b_r) ─> logits [T, E]
+                                                         │  softmax | sigmoid(+sel. bias, group mask) | -
+                                                         v
+                                                       topk ──> w0 [T, K], ids [T, K]
+    experts (any form: grouped_mm, W[ids] + bmm, per-expert Linear loops, masks)  <── ids, x
+        y_e ──> w * y_e ──> combine (sum over k, index_add_, +=) ──> out [T, H] (or root's shape)
+
+The anchor is a ``topk`` whose indices dispatch to experts: within the nodes
+reading them (not walking through a later ``topk``) there is a grouped matmul,
+an index of a 3-D tensor, a ``one_hot`` or an ``ids == e`` comparison. The
+block's output is the latest node after the anchor that (1) has the shape of
+``x`` or of ``root`` and ``x``'s dtype, (2) depends on activations only through
+``root`` (weights and sizes may come from anywhere), (3) closes the region: no
+intermediate expert value leaks out of it, nothing in it writes to its inputs,
+and a computation that does not depend on the router (a shared expert) joins
+the routed path only as a weight product ``w * y`` (a dense expert loop),
+never as a sum (a shared expert added to the routed output stays outside).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .dataflow import Dataflow
+from .op_names import CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, VIEW_OPS, arg, meta_value, op_name, tensor_meta
+
+
+class NoMatch(Exception):
+    """A candidate block that is not (provably) a fusable MoE; the message is the report's reason."""
+
+
+# Every op a fusable MoE block may contain; anything else in a candidate region rejects it.
+KNOWN_OPS = frozenset({
+    "linear", "matmul", "mm", "bmm", "grouped_mm", "einsum", "softmax", "sigmoid", "topk", "getitem", "float",
+    "to", "type", "type_as", "view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", "expand",
+    "view_as", "reshape_as", "expand_as", "permute", "transpose", "t", "sum", "div", "add", "sub", "mul",
+    "masked_fill", "scatter", "gather", "zeros", "zeros_like", "empty", "empty_like", "ones_like", "full",
+    "new_zeros", "arange", "sort", "argsort", "histc", "cumsum", "bincount", "floordiv", "repeat_interleave",
+    "chunk", "split", "silu", "gelu", "gelu_tanh", "relu", "square", "pow", "clamp", "clamp_min", "invert",
+    "bool", "setitem", "index_add", "index_select", "one_hot", "where", "eq", "ne", "any", "size", "sym_size",
+    "stack", "cat", "scatter_add", "index_put", "long", "int", "nonzero", "select", "narrow",
+    "squeeze_", "getattr", "neg",
+})
+
+
+@dataclass
+class Region:
+    topk: fx.Node
+    ids: fx.Node                     # topk indices [T, K]
+    logits: fx.Node                  # router logits [T, E]
+    router_linear: fx.Node           # the linear producing the logits
+    x: fx.Node                       # hidden states [T, H] in the experts' dtype (router input minus casts)
+    root: fx.Node                    # x minus views: the block's activation input
+    out: fx.Node                     # combined routed output [T, H] (or root's shape)
+    nodes: set[fx.Node]              # everything computed inside the block (prep views included)
+    inputs: list[fx.Node]            # tensors and sizes fed from outside (weights, biases, SymInts)
+    depends_on_router: set[fx.Node] = field(default_factory=set)
+    T: object = None
+    H: int = 0
+    E: int = 0
+    K: int = 0
+
+
+def same(a, b) -> bool:
+    """Size equality that never adds a guard (symbolic T stays symbolic)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def strip(node, ops) -> fx.Node:
+    """Follow single-input ops in `ops` back to their source."""
+    while isinstance(node, fx.Node) and op_name(node) in ops and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def getitem_users(node: fx.Node, index: int) -> list[fx.Node]:
+    return [u for u in node.users if u.op == "call_function" and u.target is operator.getitem and u.args[1] == index]
+
+
+def _is_size(value) -> bool:
+    if isinstance(value, (list, tuple)):  # torch.Size too
+        return len(value) > 0 and all(_is_size(v) for v in value)
+    return isinstance(value, (int, torch.SymInt, torch.SymBool, torch.SymFloat)) and not isinstance(value, bool)
+
+
+def _is_source(n: fx.Node) -> bool:
+    """Values a region takes from outside as they are: weights, and sizes (the probe uses their hints)."""
+    return n.op in ("placeholder", "get_attr") or (n.op != "output" and _is_size(meta_value(n)))
+
+
+def topk_k(node: fx.Node) -> int | None:
+    k = arg(node, 1, "k")
+    return k if isinstance(k, int) else None
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
+    """Do the indices select experts (rather than, e.g., sample tokens)? Stops at the next topk."""
+    seen, work = set(), [ids]
+    while work:
+        n = work.pop()
+        if n in seen or len(seen) > 5000:
+            continue
+        seen.add(n)
+        name = op_name(n)
+        if n is not ids and name == "topk":
+            continue
+        if name in ("grouped_mm", "one_hot", "eq"):
+            if name != "eq" or any(isinstance(a, int) for a in n.args):
+                return True
+        if name in ("getitem", "index_select") and isinstance(n.args[0], fx.Node) and n.args[0] not in seen:
+            base = tensor_meta(n.args[0])
+            if base is not None and base.dim() == 3:
+                return True
+        work.extend(flow.readers(n))
+    return False
+
+
+def selection_topks(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.Node]]:
+    """(topk, ids) pairs whose indices dispatch to experts, in graph order."""
+    found = []
+    for n in gm.graph.nodes:
+        if op_name(n) != "topk":
+            continue
+        ids = getitem_users(n, 1)
+        if len(ids) == 1 and dispatch_evidence(flow, ids[0]):
+            found.append((n, ids[0]))
+    return found
+
+
+# ----------------------------------------------------------------------------- router
+
+_ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "add", "masked_fill"} | CAST_OPS
+
+
+def find_router(topk: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(router linear, logits) behind a topk: walk back through score ops to a linear."""
+    n = topk.args[0]
+    while isinstance(n, fx.Node):
+        name = op_name(n)
+        if name == "linear":
+            return n, n
+        if name in _ROUTER_CHAIN_OPS and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+            continue
+        break
+    raise NoMatch(f"router logits do not come from a linear layer in this graph (found {n!s} before the top-k)")
+
+
+# ----------------------------------------------------------------------------- region
+
+
+def _activation_clean(gm: fx.GraphModule, flow: Dataflow, root: fx.Node) -> set[fx.Node]:
+    """Nodes whose values depend on activations only through `root` (weights and sizes may come from anywhere)."""
+    clean: set[fx.Node] = set()
+    start = flow.order[root]
+    for n in gm.graph.nodes:
+        if _is_source(n) or n is root:
+            clean.add(n)
+        elif flow.order[n] > start and all(i in clean for i in flow.inputs(n)):
+            clean.add(n)
+    return clean
+
+
+def _candidate_outputs(flow, ids, clean, x_meta, root_meta):
+    reach = flow.forward_slice([ids])
+    out = []
+    for n in reach:
+        v = tensor_meta(n)
+        if n not in clean or v is None or v.dtype != x_meta.dtype:
+            continue
+        if same_shape(v.shape, x_meta.shape) or same_shape(v.shape, root_meta.shape):
+            out.append(n)
+    return sorted(out, key=flow.order.__getitem__, reverse=True)
+
+
+def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], logits: fx.Node,
+                  root: fx.Node):
+    """Raise NoMatch unless `nodes` is a closed MoE region producing `out`."""
+    for n in nodes:
+        name = op_name(n)
+        if name not in KNOWN_OPS:
+            raise NoMatch(f"op {name or n.op!r} ({n.name}) is not part of any supported MoE form")
+    out_pos = flow.order[out]
+    for target in list(nodes) + list(inputs):
+        for w in flow.writers.get(target, ()):
+            if target in inputs and w in nodes:
+                raise NoMatch(f"{w.name} writes in place to the block input {target.name}")
+            if target in nodes and w not in nodes and flow.order[w] < out_pos:
+                raise NoMatch(f"{w.name} outside the block writes in place to {target.name}")
+    if any(flow.order[w] > out_pos for w in flow.writers.get(out, ())):
+        raise NoMatch(f"the block output {out.name} is written in place later")
+    routed = flow.forward_slice([logits], within=nodes)
+    expert_side = nodes - routed
+    # A value computed from activations without the router (a shared expert, a dense expert of a mask loop)
+    # may join the routed path only through a product with routing weights.
+    for n in routed:
+        for a in n.all_input_nodes:
+            if a in expert_side and a is not root and op_name(a) not in LAYOUT_OPS and not _is_weight_prep(a, root,
+                                                                                                          nodes):
+                if op_name(n) != "mul":
+                    raise NoMatch(f"{a.name}, computed without the router, joins the routed output through "
+                                  f"{op_name(n)!r} ({n.name}); a shared expert stays outside the fused op")
+    return routed
+
+
+def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:
+    """A node computed from weights/sizes only (e.g. a transpose or stack of expert weights)."""
+    seen, work = set(), [n]
+    while work:
+        m = work.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m is root:
+            return False
+        work.extend(i for i in m.all_input_nodes if i in nodes or i is root)
+    return True
+
+
+def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node) -> Region:
+    """The MoE block around one selection topk, or NoMatch with the reason."""
+    router_linear, logits = find_router(topk)
+    lmeta = tensor_meta(logits)
+    x = strip(router_linear.args[0], CAST_OPS)
+    x_meta = tensor_meta(x)
+    if lmeta is None or x_meta is None:
+        raise NoMatch("graph has no shape metadata (pass example_inputs or trace with Dynamo)")
+    if x_meta.dim() != 2 or lmeta.dim() != 2:
+        raise NoMatch(f"router input has shape {tuple(x_meta.shape)}; expected a 2-D [tokens, hidden] input")
+    root = strip(x, VIEW_OPS)
+    root_meta = tensor_meta(root)
+    clean = _activation_clean(gm, flow, root)
+    reasons = []
+    for out in _candidate_outputs(flow, ids, clean, x_meta, root_meta)[:64]:
+        stop = lambda n: _is_source(n) or n is root  # noqa: E731
+        sliced = flow.backward_slice([out], stop)
+        inputs = {n for n in sliced if _is_source(n)} - {root}
+        nodes = sliced - inputs - {root}
+        if topk not in nodes or router_linear not in nodes:
+            continue
+        try:
+            routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
+        except NoMatch as err:
+            reasons.append(str(err))
+            continue
+        k = topk_k(topk)
+        if k is None:
+            raise NoMatch("top-k size is not a constant")
+        return Region(topk=topk, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root, out=out,
+                      nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed, T=x_meta.shape[0],
+                      H=x_meta.shape[1], E=lmeta.shape[1], K=k)
+    raise NoMatch(reasons[-1] if reasons else "found no combined [tokens, hidden] output of the experts")

@@ -1,0 +1,119 @@
+"""Replace a proven MoE region by one `torch.ops.mok.fused_moe` call.
+
+    before:  x, W_r, W1, W2 ──> [ router ─ topk ─ experts ─ combine ] ──> out ──> users
+                                          └─> w, ids ──> users (aux losses, router outputs)
+    after:   x, W_r, W1, W2 ──> fused_moe(x, W_r, b_r?, sel?, W1, b1?, W2, b2?, top_k=K, ...)
+                                  ├─[0]──> users of out      (viewed as the block input when out was)
+                                  ├─[1]──> users of w        [T, K] routing weights
+                                  └─[2]──> users of ids      [T, K] expert ids
+
+Nodes of the region the rest of the graph still reads (router logits for an
+auxiliary loss, router probabilities) stay where they are; when the logits
+stay, the op takes them (``router_is_logits=True``) instead of recomputing
+them. Every created node gets ``meta["val"]`` from the fake kernels.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from .dataflow import Dataflow
+from .op_names import meta_value, tensor_meta
+from .region import NoMatch, Region, same_shape
+from .validate import materialize
+
+
+@dataclass
+class Plan:
+    keep: set[fx.Node]            # region nodes the rest of the graph still reads
+    exports: dict[str, fx.Node]   # "weights" / "ids": region nodes replaced by the op's outputs
+    router_is_logits: bool
+
+
+def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs: list[fx.Node]) -> Plan:
+    """Which region values must survive the rewrite, and which the op's outputs replace."""
+    out_pos = flow.order[region.out]
+    exports, kept = {}, []
+    for n in region.nodes:
+        outside = [u for u in n.users if u not in region.nodes]
+        if n is region.out or not outside:
+            continue
+        name = "weights" if n is weights else "ids" if n is region.ids else None
+        if name and all(flow.order[u] > out_pos for u in outside) and not flow.writers.get(n):
+            exports[name] = n
+        else:
+            kept.append(n)
+    inside = lambda m: m not in region.nodes  # noqa: E731
+    keep = flow.backward_slice(kept, stop=inside) & region.nodes
+    if region.x in region.nodes:
+        keep |= flow.backward_slice([region.x], stop=inside) & region.nodes
+    leaks = keep & flow.forward_slice(expert_inputs, within=region.nodes)
+    if leaks:
+        leak = flow.sorted(leaks)[-1]
+        raise NoMatch(f"expert intermediate {leak.name} is used outside the block")
+    return Plan(keep=keep, exports=exports, router_is_logits=region.logits in keep)
+
+
+def _set_meta(node: fx.Node, fake_mode, like: fx.Node):
+    if fake_mode is None:
+        return
+    load = lambda a: meta_value(a)  # noqa: E731
+    args, kwargs = fx.node.map_arg(node.args, load), fx.node.map_arg(node.kwargs, load)
+    with fake_mode:
+        if node.op == "call_method":
+            val = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            val = node.target(*args, **kwargs)
+    node.meta["val"] = val
+    if "example_value" in like.meta:
+        node.meta["example_value"] = val
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+
+
+def emit(gm: fx.GraphModule, flow: Dataflow, region: Region, plan: Plan, operands: list, kwargs: dict) -> fx.Node:
+    """Insert the op before the region's output, rewire users, erase the dead region. Returns the op node."""
+    graph = gm.graph
+    fake_mode = detect_fake_mode([tensor_meta(region.x)])
+    like = region.out
+    created = []
+
+    def call(target, args, method=False):
+        node = graph.call_method(target, args) if method else graph.call_function(target, args)
+        created.append(node)
+        return node
+
+    with graph.inserting_before(region.out):
+        tensors = [materialize(o, lambda n: n, stack=lambda xs, d: call(torch.stack, (xs, d)),
+                               cat=lambda xs, d: call(torch.cat, (xs, d))) for o in operands]
+        op = graph.call_function(torch.ops.mok.fused_moe.default, tuple(tensors), kwargs)
+        created.append(op)
+        outputs = [call(operator.getitem, (op, i)) for i in range(3)]
+        result = outputs[0]
+        if not same_shape(tensor_meta(region.out).shape, tensor_meta(region.x).shape):
+            result = call("view_as", (outputs[0], region.root), method=True)
+    for node in created:
+        _set_meta(node, fake_mode, like)
+
+    doomed = region.nodes - plan.keep
+    region.out.replace_all_uses_with(result, delete_user_cb=lambda u: u not in doomed)
+    for name, index in (("weights", 1), ("ids", 2)):
+        if name in plan.exports:
+            plan.exports[name].replace_all_uses_with(outputs[index], delete_user_cb=lambda u: u not in doomed)
+    for n in reversed(flow.sorted(doomed)):
+        if any(u not in doomed for u in n.users):
+            raise RuntimeError(f"mok rewrite: {n.name} is still used after the rewrite (pass bug)")
+        graph.erase_node(n)
+    for n in outputs:
+        if not n.users:
+            graph.erase_node(n)
+    for n in reversed(flow.sorted(region.inputs)):  # size computations only the region used
+        if n.op in ("call_function", "call_method") and not n.users:
+            graph.erase_node(n)
+    return op

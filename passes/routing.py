@@ -1,0 +1,175 @@
+"""Read the routing semantics (a `RoutingSpec`) off the router part of a matched region.
+
+    A  logits ─(float)─ softmax ─> topk ─> w0 ─[/ (sum(w0) + eps)]─[* scale]─[cast]─> w
+    B  logits ─(float)─ topk ─> w0 ─ softmax ─[cast]─> w
+    C  logits(fp32) ─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
+       scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) ─[/ (sum + eps)]─[* scale]─> w
+
+Anything else on these chains (a clamp-min renormalisation, a bias used for
+the weights, a softmax in another dimension) is reported, not guessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from mok_compile.ops.spec import RoutingSpec
+
+from .op_names import CAST_OPS, arg, op_name, tensor_meta
+from .region import NoMatch, Region, getitem_users, strip, topk_k
+
+
+@dataclass
+class RouterMatch:
+    spec: RoutingSpec
+    weight: fx.Node                 # router weight [E, H]
+    bias: fx.Node | None            # router bias [E]
+    selection_bias: fx.Node | None  # C: bias used only to choose experts
+    weights: fx.Node                # final routing weights [T, K] as the experts use them
+
+
+def _is_last_dim(dim, ndim: int) -> bool:
+    return dim in (-1, ndim - 1)
+
+
+def _softmax_dim(node: fx.Node):
+    return arg(node, 1, "dim")
+
+
+def _float_const(v):
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _pre_topk_chain(region: Region) -> list[fx.Node]:
+    """Nodes between the logits and the topk input (the topk input first)."""
+    chain, n = [], region.topk.args[0]
+    while n is not region.logits:
+        chain.append(n)
+        n = n.args[0]
+    return chain
+
+
+def _group_limit(region: Region, masked: fx.Node, E: int) -> tuple[int, int]:
+    """(n_group, topk_group) of DeepSeek-style group-limited selection feeding `masked` (a masked_fill)."""
+    group_topks = [n for n in region.nodes if op_name(n) == "topk" and n is not region.topk]
+    per_group = [n for n in group_topks if (m := tensor_meta(n.args[0])) is not None and m.dim() == 3]
+    choose = [n for n in group_topks if (m := tensor_meta(n.args[0])) is not None and m.dim() == 2]
+    if len(per_group) != 1 or len(choose) != 1:
+        raise NoMatch("group-limited routing has an unexpected structure")
+    grouped = tensor_meta(per_group[0].args[0])
+    n_group = int(grouped.shape[1])
+    if n_group * int(grouped.shape[2]) != E or topk_k(per_group[0]) != 2:
+        raise NoMatch("group score is not the sum of the top-2 scores of each expert group")
+    scorer = [u for u in getitem_users(per_group[0], 0) if any(op_name(v) == "sum" for v in u.users)]
+    if not scorer:
+        raise NoMatch("group score is not the sum of the top-2 scores of each expert group")
+    return n_group, topk_k(choose[0])
+
+
+def _single_user(node: fx.Node, region: Region) -> fx.Node | None:
+    users = [u for u in node.users if u in region.nodes]
+    return users[0] if len(users) == 1 else None
+
+
+def match_router(region: Region) -> RouterMatch:
+    x_dtype = tensor_meta(region.x).dtype
+    lin = region.router_linear
+    weight = strip(lin.args[1], CAST_OPS)
+    bias = arg(lin, 2, "bias")
+    bias = strip(bias, CAST_OPS) if isinstance(bias, fx.Node) else None
+    for name, t in (("router weight", weight), ("router bias", bias)):
+        if t is not None and t not in region.inputs:
+            raise NoMatch(f"{name} ({t.name}) is computed inside the block")
+    router_fp32 = tensor_meta(region.logits).dtype == torch.float32 and x_dtype != torch.float32
+    E, K = int(region.E), region.K
+    t_dim = tensor_meta(region.topk.args[0]).dim()
+    if not _is_last_dim(arg(region.topk, 2, "dim", -1), t_dim) or arg(region.topk, 3, "largest", True) is not True:
+        raise NoMatch("top-k is not over the experts dimension (largest values)")
+
+    routing, softmax_fp32, selection_bias, sigmoid = None, True, None, None
+    masked = None
+    for n in _pre_topk_chain(region):
+        name = op_name(n)
+        if name == "softmax":
+            if routing is not None or not _is_last_dim(_softmax_dim(n), 2):
+                raise NoMatch("router applies softmax in an unsupported way")
+            routing, softmax_fp32 = "softmax_topk", tensor_meta(n).dtype in (torch.float32, torch.float64)
+        elif name == "sigmoid":
+            if routing is not None:
+                raise NoMatch("router combines sigmoid with another score function")
+            if tensor_meta(n).dtype not in (torch.float32, torch.float64):
+                raise NoMatch("sigmoid routing scores are not computed in fp32")
+            routing, sigmoid = "sigmoid_grouped_topk", n
+        elif name == "add":
+            other = n.args[1]
+            other = strip(other, CAST_OPS) if isinstance(other, fx.Node) else other
+            if selection_bias is not None or not isinstance(other, fx.Node) or other not in region.inputs:
+                raise NoMatch("router adds something other than a selection bias before the top-k")
+            selection_bias = other
+        elif name == "masked_fill":
+            masked = n
+        elif name not in CAST_OPS:
+            raise NoMatch(f"router op {name!r} is not supported")
+    if selection_bias is not None and routing != "sigmoid_grouped_topk":
+        raise NoMatch("a selection bias is only supported with sigmoid routing (DeepSeek-V3 style)")
+    n_group, topk_group = 1, 1
+    if masked is not None:
+        if routing != "sigmoid_grouped_topk":
+            raise NoMatch("group-limited selection is only supported with sigmoid routing")
+        n_group, topk_group = _group_limit(region, masked, E)
+
+    # The unnormalised top-k weights.
+    if routing == "sigmoid_grouped_topk":
+        gathers = [u for u in region.ids.users if op_name(u) == "gather" and u in region.nodes]
+        if len(gathers) != 1 or strip(gathers[0].args[0], CAST_OPS) is not sigmoid:
+            raise NoMatch("routing weights are not the unbiased sigmoid scores gathered at the chosen experts")
+        w = gathers[0]
+    else:
+        values = getitem_users(region.topk, 0)
+        if len(values) != 1:
+            raise NoMatch("top-k values are not used as routing weights")
+        w = values[0]
+
+    # Walk the weight chain: [softmax (B)] -> [renormalise] -> [scale] -> [cast], in this order.
+    stage, renormalize, eps, scale = 0, False, 0.0, 1.0
+    while True:
+        users = [u for u in w.users if u in region.nodes]
+        sums = [u for u in users if op_name(u) == "sum"]
+        if sums and len(users) == 2 and stage <= 1:
+            s = sums[0]
+            if not _is_last_dim(arg(s, 1, "dim"), 2) or not arg(s, 2, "keepdim", False):
+                raise NoMatch("routing weights are normalised over an unexpected dimension")
+            denom = s
+            nxt = _single_user(s, region)
+            if nxt is not None and op_name(nxt) == "add" and _float_const(nxt.args[1]) is not None:
+                eps, denom = _float_const(nxt.args[1]), nxt
+            div = _single_user(denom, region)
+            if div is None or op_name(div) != "div" or div.args[0] is not w or div.args[1] is not denom:
+                raise NoMatch("routing weights are renormalised in an unsupported way (only w / (sum + eps))")
+            w, renormalize, stage = div, True, 2
+            continue
+        u = _single_user(w, region)
+        if u is None:
+            break
+        name = op_name(u)
+        if name == "softmax" and stage == 0 and routing is None:
+            if not _is_last_dim(_softmax_dim(u), 2):
+                raise NoMatch("softmax over the top-k weights is not over the last dimension")
+            routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
+        elif name == "mul" and u.args[0] is w and _float_const(u.args[1]) is not None and stage <= 2:
+            scale, stage = scale * _float_const(u.args[1]), 3
+        elif name in CAST_OPS and u.args[0] is w:
+            stage = 4
+        else:
+            break
+        w = u
+    if routing is None:
+        raise NoMatch("found no softmax or sigmoid in the router")
+    weights_fp32 = tensor_meta(w).dtype == torch.float32
+    spec = RoutingSpec(top_k=K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
+                       renormalize=renormalize, renorm_eps=eps, routed_scale=scale, n_group=n_group,
+                       topk_group=topk_group, weights_fp32=weights_fp32)
+    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
