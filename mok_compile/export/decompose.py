@@ -1,0 +1,119 @@
+"""`mok::fused_moe` written with standard aten ops and static shapes, for export.
+
+Compilers that do not know the fused op (torch-mlir's linalg / TOSA / StableHLO
+lowerings, IREE, ...) need it spelled in aten ops. The reference kernel cannot
+serve: it groups tokens by expert (`argsort`, `bincount`, a Python loop over
+the experts hit), so its shapes depend on the routing data. Here every shape
+depends only on input shapes:
+
+- routing: the reference's own `router_logits` + `route` (softmax / top-k /
+  sigmoid-group selection are shape-static already), so the routing decisions
+  and weights are the reference's, op for op;
+- experts, one of two formulations (`EXPERTS_FORMS`):
+
+  ``gather`` (default)  like transformers' ``batched_mm``: gather each
+      (token, slot)'s expert weights, ``W[topk_ids]`` -> ``[T, K, 2I, H]``, and run
+      T*K small matmuls. Work and memory grow with T*K*I*H: right for decode
+      and short prompts, heavy for long prefill.
+  ``dense``   every expert on every token (``[E, T, 2I]``), then pick the K
+      routed outputs per token. E/K times the FLOPs, but plain batched matmuls
+      over the weights as stored (no weight copies), which static compilers
+      tile well; memory grows with T*E*I.
+
+- combine: ``sum_k w[t, k] * y[t, k]`` in the routing weights' dtype, then cast
+  to the input dtype, exactly as the reference does (the picked outputs keep
+  the reference's k order, so unrouted experts never enter the sum, not even as
+  ``0 * inf``).
+
+Used only on the export path (`decompose_fused_moe` rewrites a graph's calls);
+the fused op keeps its own kernels everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.reference import activate, route, router_logits
+from ..ops.spec import with_defaults
+
+EXPERTS_FORMS = ("gather", "dense")
+
+
+def _linear(x, weight, transposed):
+    """x @ W^T for F.linear-layout weights ([..., out, in]); x @ W for the transposed layout ([..., in, out])."""
+    return x @ (weight if transposed else weight.transpose(-1, -2))
+
+
+def _experts_gather(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *, transposed, **act):
+    """[T, K, H] outputs of the K routed experts of each token, from per-pair gathered weights."""
+    xs = x.unsqueeze(1).unsqueeze(2)  # [T, 1, 1, H], broadcast over the K slots
+    h = _linear(xs, gate_up_proj[ids], transposed).squeeze(2)  # [T, K, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias[ids]
+    a = activate(h, **act)
+    y = _linear(a.unsqueeze(2), down_proj[ids], transposed).squeeze(2)  # [T, K, H]
+    if down_bias is not None:
+        y = y + down_bias[ids]
+    return y
+
+
+def _experts_dense(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *, transposed, **act):
+    """[T, K, H] outputs of the K routed experts of each token, picked from all E experts' outputs."""
+    h = _linear(x.unsqueeze(0), gate_up_proj, transposed)  # [E, T, 2I]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.unsqueeze(1)
+    a = activate(h, **act)
+    y = _linear(a, down_proj, transposed)  # [E, T, H]
+    if down_bias is not None:
+        y = y + down_bias.unsqueeze(1)
+    y = y.transpose(0, 1)  # [T, E, H]
+    return y.gather(1, ids.unsqueeze(-1).expand(-1, -1, y.shape[-1]))
+
+
+_EXPERTS = {"gather": _experts_gather, "dense": _experts_dense}
+
+
+def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, *, experts_form: str = "gather", **kw):
+    """Same results as `torch.ops.mok.fused_moe` (same signature), in aten ops with data-independent shapes."""
+    if experts_form not in _EXPERTS:
+        raise ValueError(f"experts_form={experts_form!r} is not one of {EXPERTS_FORMS}")
+    kw = with_defaults(kw)
+    x = hidden_states
+    logits = router_logits(x, router, router_bias, router_is_logits=kw["router_is_logits"],
+                           router_fp32=kw["router_fp32"])
+    w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=kw["top_k"], routing=kw["routing"],
+                   softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
+                   routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
+                   weights_fp32=kw["weights_fp32"])
+    y = _EXPERTS[experts_form](x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias,
+                               transposed=kw["transposed"], activation=kw["activation"], gated=kw["gated"],
+                               interleaved=kw["interleaved"], alpha=kw["alpha"], limit=kw["limit"])
+    out = (y * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    return out, w, ids
+
+
+def is_fused_moe(node: torch.fx.Node) -> bool:
+    """Whether `node` calls `mok.fused_moe` (Dynamo graphs may hold the overload packet, export graphs the overload)."""
+    return node.op == "call_function" and node.target in (torch.ops.mok.fused_moe, torch.ops.mok.fused_moe.default)
+
+
+def decompose_fused_moe(gm: torch.fx.GraphModule, experts_form: str = "gather") -> int:
+    """Replace every `mok.fused_moe` call in `gm` by `fused_moe_decomposed`, in place; return how many.
+
+    Done on the graph before `torch.export` rather than as an
+    `ExportedProgram.run_decompositions` entry: export functionalizes the
+    traced Python, whereas a decomposition-table entry must already be
+    functional, and the reference routing this reuses builds a mask in place.
+    """
+    if experts_form not in _EXPERTS:
+        raise ValueError(f"experts_form={experts_form!r} is not one of {EXPERTS_FORMS}")
+    count = 0
+    for node in gm.graph.nodes:
+        if is_fused_moe(node):
+            node.target = fused_moe_decomposed
+            node.kwargs = {**node.kwargs, "experts_form": experts_form}
+            count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -1,0 +1,209 @@
+"""MLIR export of modules that call `torch.ops.mok.fused_moe` directly (no MoE detection involved).
+
+Form 1 keeps the op whole (raw and torch-backend IR); form 2 decomposes it to
+aten ops that lower to linalg-on-tensors and run on torch-mlir's RefBackend.
+"""
+
+import contextlib
+import os
+import re
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("torch_mlir.fx")
+pytest.importorskip("transformers")
+
+from torch_mlir.compiler_utils import run_pipeline_with_repro_report  # noqa: E402
+from torch_mlir.ir import Context, Module  # noqa: E402
+
+from mok_compile import hf_blocks  # noqa: E402
+from mok_compile.export import abstract_interp_library, export_mlir  # noqa: E402
+
+from .filecheck import count_matches, filecheck  # noqa: E402
+from .refbackend import RefBackendFunction  # noqa: E402
+
+SIZES = hf_blocks.BlockSizes(hidden=32, intermediate=16, experts=8, top_k=2)
+FUSED = 'torch.operator "torch.mok.fused_moe"'
+
+
+class FusedMoE(torch.nn.Module):
+    """One HF block's routed experts as a direct `mok.fused_moe` call; returns all three outputs."""
+
+    def __init__(self, family, dtype=torch.float32):
+        super().__init__()
+        block = hf_blocks.make_block(family, SIZES, dtype=dtype)
+        tensors, self.kw = hf_blocks.op_arguments(family, block)
+        names = ("router", "router_bias", "selection_bias", "gate_up_proj", "gate_up_bias", "down_proj", "down_bias")
+        self.names = names
+        for name, t in zip(names, tensors):
+            if t is None:
+                setattr(self, name, None)
+            else:
+                self.register_buffer(name, t.detach().clone())
+
+    def forward(self, x):
+        return torch.ops.mok.fused_moe(x, *(getattr(self, n) for n in self.names), **self.kw)
+
+
+def _tokens():
+    return {0: torch.export.Dim("tokens", min=1, max=4096)}
+
+
+def _x(n, dtype=torch.float32, seed=0):
+    return torch.randn(n, SIZES.hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return FusedMoE("mixtral")
+
+
+def test_raw_keeps_the_op_whole_with_dynamic_tokens(mixtral):
+    text = str(export_mlir(mixtral, _x(5), output_type="raw", dynamic_shapes=(_tokens(),), fuse=False))
+    filecheck(text, f"""
+        CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[?,32],f32>)
+        CHECK: {FUSED}(%arg0,{{{{.*}}}} -> (!torch.vtensor<[?,32],f32>, !torch.vtensor<[?,2],f32>, !torch.vtensor<[?,2],si64>)
+    """)
+    assert count_matches(text, FUSED) == 1
+
+
+def test_torch_backend_form_keeps_exactly_one_op(mixtral):
+    exported = export_mlir(mixtral, _x(5), output_type="torch", dynamic_shapes=(_tokens(),), fuse=False)
+    text = str(exported)
+    assert exported.output_type == "torch" and exported.num_fused_ops == 1
+    filecheck(text, f"""
+        CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[?,32],f32>) -> (!torch.vtensor<[?,32],f32>, !torch.vtensor<[?,2],f32>, !torch.vtensor<[?,2],si64>)
+        CHECK: {FUSED}
+        CHECK-NOT: torch.aten.topk
+        CHECK: return
+    """)
+    assert count_matches(text, FUSED) == 1
+    assert count_matches(text, "torch.aten.") == 0, "the block must not be decomposed in form 1"
+
+
+def test_static_shapes_stay_static(mixtral):
+    text = str(export_mlir(mixtral, _x(5), output_type="torch", fuse=False))
+    filecheck(text, "CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[5,32],f32>)")
+
+
+@pytest.mark.parametrize("dtype, weights_fp32, weights_type", [
+    (torch.float32, True, "f32"),
+    (torch.bfloat16, False, "bf16"),
+    (torch.bfloat16, True, "f32"),
+    (torch.float64, True, "f64"),
+])
+def test_abstract_interp_library_refines_erased_result_types(dtype, weights_fp32, weights_type):
+    """Erase the op's result types; torch-mlir must infer them from our shape/dtype functions alone."""
+    moe = FusedMoE("qwen3_moe", dtype=dtype)
+    kw = {**moe.kw, "weights_fp32": weights_fp32}
+
+    def fused_moe(x, router, gate_up_proj, down_proj):
+        # Weights as inputs, not literals: a bf16 literal would need the ml_dtypes package.
+        return torch.ops.mok.fused_moe(x, router, None, None, gate_up_proj, None, down_proj, None, **kw)
+
+    args = (_x(3, dtype), moe.router, moe.gate_up_proj, moe.down_proj)
+    assert fused_moe(*args)[1].dtype == {"f32": torch.float32, "bf16": torch.bfloat16, "f64": torch.float64}[weights_type]
+    text = str(export_mlir(_Call(fused_moe), *args, output_type="raw", fuse=False,
+                           dynamic_shapes=(_tokens(), None, None, None)))
+    # The three result types appear as one list on the op, in the function's signature and on `return`.
+    result_types = re.search(r'torch\.operator "torch\.mok\.fused_moe".* -> \((.*)\)', text).group(1)
+    erased = text.replace(result_types, ", ".join(["!torch.vtensor"] * 3))
+    assert count_matches(erased, "!torch.vtensor<[?,2]") == 0
+    module = _parse(erased)
+    with _library_file() as path:
+        run_pipeline_with_repro_report(
+            module, "builtin.module(torch-function-to-torch-backend-pipeline{"
+                    f"backend-legal-ops=torch.mok.fused_moe extra-library={path}}})", "refine mok.fused_moe types")
+    x_type = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}[dtype]
+    filecheck(str(module), f"CHECK: {FUSED}{{{{.*}}}} -> (!torch.vtensor<[?,32],{x_type}>, "
+                        f"!torch.vtensor<[?,2],{weights_type}>, !torch.vtensor<[?,2],si64>)")
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, router, gate_up_proj, down_proj):
+        return self.fn(x, router, gate_up_proj, down_proj)
+
+
+def _parse(text):
+    import torch_mlir.dialects.torch as torch_d
+
+    ctx = Context()
+    torch_d.register_dialect(ctx)
+    return Module.parse(text, ctx)
+
+
+@contextlib.contextmanager
+def _library_file():
+    fd, path = tempfile.mkstemp(suffix=".mlir")
+    with os.fdopen(fd, "w") as f:
+        f.write(abstract_interp_library())
+    try:
+        yield path
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("family, form", [
+    ("mixtral", "gather"),
+    ("mixtral", "dense"),
+    ("deepseek_v3", "gather"),  # sigmoid + selection bias + group-limited top-k, fp32 router
+    ("gpt_oss", "dense"),  # transposed + interleaved weights, biases, clamped SwiGLU, top-k -> softmax
+    ("qwen2_moe", "gather"),  # weights cast to the input dtype
+])
+def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
+    """Form 2: no torch.operator left, linalg-on-tensors with a dynamic token dim, same numbers as the op."""
+    moe = FusedMoE(family)
+    exported = export_mlir(moe, _x(5), output_type="linalg-on-tensors", dynamic_shapes=(_tokens(),), fuse=False,
+                           experts_form=form)
+    text = str(exported)
+    assert exported.num_fused_ops == 0
+    assert count_matches(text, "torch.operator") == 0
+    assert count_matches(text, "= torch.") == 0, "every torch-dialect op must be lowered"
+    filecheck(text, """
+        CHECK-LABEL: func.func @main(%arg0: tensor<?x32xf32>) -> (tensor<?x32xf32>, tensor<?x2xf32>, tensor<?x2xi64>)
+        CHECK: linalg.
+        CHECK: return
+    """)
+    run = RefBackendFunction(exported.module)
+    for tokens in (1, 5, 37):  # other token counts than the example's: the dim really is dynamic
+        x = _x(tokens, seed=tokens)
+        out, weights, ids = run(x)
+        ref_out, ref_weights, ref_ids = moe(x)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+
+
+def test_decompose_false_with_a_linalg_output_is_an_error(mixtral):
+    with pytest.raises(ValueError, match="decompose=True"):
+        export_mlir(mixtral, _x(3), output_type="linalg-on-tensors", decompose=False, fuse=False)
+
+
+def test_bad_arguments_are_named(mixtral):
+    with pytest.raises(ValueError, match="output_type='mhlo'"):
+        export_mlir(mixtral, _x(3), output_type="mhlo", fuse=False)
+    with pytest.raises(ValueError, match="experts_form='sparse'"):
+        export_mlir(mixtral, _x(3), experts_form="sparse", fuse=False)
+
+
+def test_without_torch_mlir_the_error_names_the_extra(monkeypatch, mixtral):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch_mlir", None)  # makes `import torch_mlir...` raise ImportError
+    monkeypatch.delitem(sys.modules, "torch_mlir.fx", raising=False)
+    with pytest.raises(ImportError, match=r"mok-compile\[mlir\]"):
+        export_mlir(mixtral, _x(3), fuse=False)
+
+
+def test_importing_the_package_does_not_import_torch_mlir():
+    import subprocess
+    import sys
+
+    code = "import sys, mok_compile, mok_compile.export; assert 'torch_mlir' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
