@@ -1,1 +1,136 @@
-"""CPU kernel of `mok::fused_moe` (C++ in csrc/, built on first use). Being written."""
+"""CPU kernel of `mok::fused_moe` and its backward: C++ in csrc/fused_moe_cpu.cpp.
+
+The C++ source is compiled with `torch.utils.cpp_extension.load` (ninja) the
+first time the op runs on CPU, not at import, so `import mok_compile` stays
+cheap and needs no compiler. The build is cached in torch's extension directory
+(or `$MOK_BUILD_DIR`); ninja rebuilds it when the source changes. The library
+registers `torch.ops.mok_cpu.fused_moe` / `fused_moe_backward`; this module
+routes the CPU dispatch key of the public ops to them.
+
+Without a compiler or ninja, or if the build fails, the CPU key falls back to
+the reference (`reference.py`) with one warning naming the cause: slower, same
+results.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import library, reference
+from .spec import with_defaults
+
+EXTENSION_NAME = "mok_fused_moe_cpu"
+_SOURCE_NAME = "fused_moe_cpu.cpp"
+
+# {"loaded": bool, "error": str}; filled by the first call of `extension_loaded()`.
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def source_path() -> Path:
+    """csrc/fused_moe_cpu.cpp of the repository, or the copy shipped inside the package."""
+    here = Path(__file__).resolve()
+    candidates = (here.parents[2] / "csrc" / _SOURCE_NAME, here.parents[1] / "csrc" / _SOURCE_NAME)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"C++ source {_SOURCE_NAME} not found (looked in {', '.join(map(str, candidates))})")
+
+
+def missing_build_tool() -> str | None:
+    """Why the C++ kernel cannot be built here (no ninja, no compiler), or None."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler found (looked for {compiler!r}; set CXX)"
+    return None
+
+
+def _build_and_load() -> None:
+    """Compile (or reuse the cached build of) the C++ kernel and load it into this process."""
+    from torch.utils import cpp_extension
+
+    missing = missing_build_tool()
+    if missing:
+        raise RuntimeError(missing)
+    build_dir = os.environ.get("MOK_BUILD_DIR")
+    if build_dir:
+        build_dir = os.path.join(build_dir, EXTENSION_NAME)
+        os.makedirs(build_dir, exist_ok=True)
+    cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(source_path())],
+        # -fopenmp: at::parallel_for is a header template that runs serially without it.
+        # The process already holds torch's libgomp, so no second OpenMP runtime is loaded.
+        extra_cflags=["-O2", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def extension_loaded() -> bool:
+    """Build/load the C++ kernel once per process; False (after one warning) if that is impossible."""
+    if "loaded" not in _state:
+        with _lock:
+            if "loaded" not in _state:
+                try:
+                    _build_and_load()
+                    _state.update(loaded=True, error="")
+                except Exception as err:  # noqa: BLE001 - any build failure means: use the reference
+                    cause = _short_cause(err)
+                    _state.update(loaded=False, error=cause)
+                    warnings.warn(f"mok_compile: the C++ CPU kernel of mok::fused_moe is unavailable ({cause}); "
+                                  "using the slower Python reference on CPU instead", RuntimeWarning, stacklevel=3)
+    return _state["loaded"]
+
+
+def _short_cause(err: Exception, max_chars: int = 600) -> str:
+    """The exception in one readable piece: of a long compiler log, its first error lines."""
+    text = f"{type(err).__name__}: {err}".strip()
+    errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+    if len(text) > max_chars and errors:
+        text = " | ".join(errors)
+    return text if len(text) <= max_chars else text[:max_chars] + " ..."
+
+
+def kernel_name() -> str:
+    """Which CPU kernel runs: 'cpp' or 'reference' (builds the extension if needed)."""
+    return "cpp" if extension_loaded() else "reference"
+
+
+def _fused_moe_cpu(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                   down_bias, **kw):
+    kw = with_defaults(kw)
+    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw)
+    args = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
+    if not extension_loaded():
+        return reference.fused_moe_reference(*args, **kw)
+    return torch.ops.mok_cpu.fused_moe(*args, **kw)
+
+
+def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
+                            gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
+    kw = with_defaults(kw)
+    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw)
+    args = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
+            gate_up_bias, down_proj, down_bias, topk_weights, topk_ids)
+    if not extension_loaded():
+        return reference.fused_moe_backward_reference(*args, **kw)
+    return torch.ops.mok_cpu.fused_moe_backward(*args, **kw)
+
+
+library.lib.impl("fused_moe", _fused_moe_cpu, "CPU")
+library.lib.impl("fused_moe_backward", _fused_moe_backward_cpu, "CPU")

@@ -1,0 +1,595 @@
+// CPU kernel of torch.ops.mok.fused_moe and mok.fused_moe_backward.
+//
+// The math is mok_compile/ops/reference.py, op for op wherever the rounding of
+// reduced-precision dtypes depends on it (router, routing, activation, bias
+// adds), so results match the reference (and through it Hugging Face). What
+// differs is how the work is organised:
+//
+//   route          ATen ops on [T, E] logits, exactly as the reference
+//   dispatch       counting sort of the T*K (token, slot) pairs by expert (stable)
+//   experts        rows gathered into contiguous buffers; one at::mm_out per expert
+//                  into its slice; experts run in parallel over balanced bins
+//                  (BLAS single-threaded inside) when there are enough of them
+//   combine        out[t] = sum_k w[t,k] * y[t,k], k in a fixed order
+//
+// Determinism: every output element is written by exactly one thread and every
+// sum has a fixed order (dX is kept per (token, slot) and summed per token in
+// expert order, the order of the reference's index_add_), so two calls give the
+// same bits.
+//
+// Registered as mok_cpu::fused_moe / mok_cpu::fused_moe_backward (CPU key).
+// mok_compile/ops/cpu.py builds this file on first use and routes the CPU
+// dispatch key of mok::fused_moe here; the public schema lives in library.py.
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// The op's scalar arguments (RoutingSpec + ExpertSpec in mok_compile/ops/spec.py).
+struct MoeOptions {
+  int64_t top_k;
+  std::string routing;
+  bool router_is_logits;
+  bool router_fp32;
+  bool softmax_fp32;
+  bool renormalize;
+  double renorm_eps;
+  double routed_scale;
+  int64_t n_group;
+  int64_t topk_group;
+  bool weights_fp32;
+  std::string activation;
+  bool gated;
+  bool interleaved;
+  bool transposed;
+  double alpha;
+  double limit;
+};
+
+Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
+
+// fp32, or fp64 for fp64: where HF calls `.float()` to upcast bf16/fp16, an fp64
+// run stays fp64 (the reference's _acc_dtype; fp64 gradcheck needs it).
+at::ScalarType acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+Tensor upcast(const Tensor& t) { return t.to(acc_dtype(t.scalar_type())); }
+
+// ----------------------------------------------------------------------------- routing
+
+// [T, E] logits, computed the way the HF router does (reference.router_logits).
+Tensor router_logits(const Tensor& x, const Tensor& router, const OptTensor& router_bias, const MoeOptions& o) {
+  if (o.router_is_logits) return router;
+  if (o.router_fp32) {
+    const at::ScalarType acc = acc_dtype(x.scalar_type());
+    OptTensor bias = router_bias.has_value() ? OptTensor(router_bias->to(acc)) : std::nullopt;
+    return at::linear(x.to(acc), router.to(acc), bias);
+  }
+  return at::linear(x, router, router_bias);
+}
+
+// DeepSeek-V3 group-limited selection: all but the best `topk_group` groups get -inf.
+Tensor grouped_choice(const Tensor& choice, int64_t n_group, int64_t topk_group) {
+  const int64_t T = choice.size(0), E = choice.size(1), per_group = E / n_group;
+  Tensor group_scores = std::get<0>(choice.view({T, n_group, per_group}).topk(2, -1)).sum(at::IntArrayRef{-1});
+  Tensor group_idx = std::get<1>(at::topk(group_scores, topk_group, -1, /*largest=*/true, /*sorted=*/false));
+  Tensor group_mask = at::zeros_like(group_scores).scatter_(1, group_idx, 1);
+  Tensor score_mask = group_mask.unsqueeze(-1).expand({T, n_group, per_group}).reshape({T, E});
+  return choice.masked_fill(score_mask.to(at::kBool).logical_not(), -INFINITY);
+}
+
+// (topk_weights, topk_ids) with HF's precision behaviour (reference.route).
+std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selection_bias, at::ScalarType x_dtype,
+                                 const MoeOptions& o) {
+  Tensor w, ids;
+  if (o.routing == "softmax_topk") {
+    Tensor probs = at::softmax(logits, -1, o.softmax_fp32 ? acc_dtype(logits.scalar_type()) : logits.scalar_type());
+    std::tie(w, ids) = at::topk(probs, o.top_k, -1);
+  } else if (o.routing == "topk_softmax") {
+    Tensor scores = o.softmax_fp32 ? upcast(logits) : logits;
+    Tensor top;
+    std::tie(top, ids) = at::topk(scores, o.top_k, -1);
+    w = at::softmax(top, -1, top.scalar_type());
+  } else if (o.routing == "sigmoid_grouped_topk") {
+    Tensor scores = upcast(logits).sigmoid();
+    Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
+    if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group);
+    ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
+    w = scores.gather(1, ids);
+  } else {
+    TORCH_CHECK(false, "mok_cpu.fused_moe: unknown routing '", o.routing, "'");
+  }
+  if (o.renormalize) {
+    Tensor denom = sum_last(w);
+    if (o.renorm_eps != 0.0) denom = denom + o.renorm_eps;
+    w = w / denom;
+  }
+  if (o.routed_scale != 1.0) w = w * o.routed_scale;
+  w = w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype);
+  return {w, ids};
+}
+
+// d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights) (reference.routing_backward).
+Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& grad_w, const MoeOptions& o) {
+  Tensor l = logits.to(grad_w.scalar_type());
+  Tensor base, w0;
+  if (o.routing == "softmax_topk") {
+    base = at::softmax(l, -1);
+    w0 = base.gather(1, ids);
+  } else if (o.routing == "topk_softmax") {
+    w0 = at::softmax(l.gather(1, ids), -1);
+  } else {
+    base = at::sigmoid(l);
+    w0 = base.gather(1, ids);
+  }
+  Tensor d = grad_w * o.routed_scale;
+  if (o.renormalize) {
+    Tensor denom = sum_last(w0) + o.renorm_eps;
+    Tensor w1 = w0 / denom;
+    d = (d - sum_last(d * w1)) / denom;
+  }
+  if (o.routing == "softmax_topk") {
+    Tensor dp = at::zeros_like(l).scatter_(1, ids, d);
+    return base * (dp - sum_last(base * dp));
+  }
+  if (o.routing == "topk_softmax") {
+    Tensor dtop = w0 * (d - sum_last(w0 * d));
+    return at::zeros_like(l).scatter_(1, ids, dtop);
+  }
+  Tensor ds = at::zeros_like(l).scatter_(1, ids, d);
+  return ds * base * (1 - base);
+}
+
+// ----------------------------------------------------------------------------- activations
+
+std::pair<Tensor, Tensor> split_gate_up(const Tensor& h, bool interleaved) {
+  if (interleaved) return {h.slice(-1, 0, std::nullopt, 2), h.slice(-1, 1, std::nullopt, 2)};
+  auto halves = h.chunk(2, -1);
+  return {halves[0], halves[1]};
+}
+
+// Expert activation on the gate_up output, op by op as HF writes it (reference.activate).
+// Runs once over the rows of all experts: elementwise, so grouping does not matter.
+Tensor activate(const Tensor& h, const MoeOptions& o) {
+  const std::string& act = o.activation;
+  if (o.gated) {
+    auto [gate, up] = split_gate_up(h, o.interleaved);
+    if (act == "silu") return at::silu(gate) * up;
+    if (act == "gelu_tanh") return at::gelu(gate, "tanh") * up;
+    if (act == "clamped_silu") {
+      gate = gate.clamp(std::nullopt, o.limit);
+      up = up.clamp(-o.limit, o.limit);
+      Tensor glu = gate * at::sigmoid(gate * o.alpha);
+      return (up + 1) * glu;
+    }
+  } else {
+    if (act == "relu2") return at::square(at::relu(h));
+    if (act == "relu") return at::relu(h);
+    if (act == "silu") return at::silu(h);
+    if (act == "gelu") return at::gelu(h);
+    if (act == "gelu_tanh") return at::gelu(h, "tanh");
+  }
+  TORCH_CHECK(false, "mok_cpu.fused_moe: unknown activation '", act, "' (gated=", o.gated, ")");
+}
+
+Tensor gelu_tanh_grad(const Tensor& x) {
+  const double c = std::sqrt(2.0 / M_PI);
+  Tensor z = c * (x + 0.044715 * x.pow(3));
+  Tensor t = at::tanh(z);
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x);
+}
+
+// d(loss)/d(h) given d(loss)/d(activation output) (reference.activation_backward).
+Tensor activation_backward(const Tensor& h, const Tensor& da, const MoeOptions& o) {
+  const std::string& act = o.activation;
+  if (o.gated) {
+    auto [g, u] = split_gate_up(h, o.interleaved);
+    Tensor dg, du;
+    if (act == "silu") {
+      Tensor sg = at::sigmoid(g);
+      dg = da * u * sg * (1 + g * (1 - sg));
+      du = da * g * sg;
+    } else if (act == "gelu_tanh") {
+      dg = da * u * gelu_tanh_grad(g);
+      du = da * at::gelu(g, "tanh");
+    } else if (act == "clamped_silu") {
+      Tensor gc = g.clamp(std::nullopt, o.limit);
+      Tensor uc = u.clamp(-o.limit, o.limit);
+      Tensor s = at::sigmoid(o.alpha * gc);
+      dg = (da * (uc + 1) * (s + o.alpha * gc * s * (1 - s))) * (g <= o.limit);
+      du = (da * gc * s) * ((u >= -o.limit) & (u <= o.limit));
+    } else {
+      TORCH_CHECK(false, "mok_cpu.fused_moe_backward: unknown gated activation '", act, "'");
+    }
+    if (o.interleaved) return at::stack({dg, du}, -1).flatten(-2);
+    return at::cat({dg, du}, -1);
+  }
+  if (act == "relu2") return da * 2 * at::relu(h);
+  if (act == "relu") return da * (h > 0);
+  if (act == "silu") {
+    Tensor s = at::sigmoid(h);
+    return da * s * (1 + h * (1 - s));
+  }
+  if (act == "gelu") {
+    return da * (0.5 * (1 + at::erf(h / std::sqrt(2.0))) + h * at::exp(-0.5 * h * h) / std::sqrt(2 * M_PI));
+  }
+  if (act == "gelu_tanh") return da * gelu_tanh_grad(h);
+  TORCH_CHECK(false, "mok_cpu.fused_moe_backward: unknown ungated activation '", act, "'");
+}
+
+// ----------------------------------------------------------------------------- dispatch (grouping by expert)
+
+// The T*K (token, slot) pairs sorted by expert, stable (the order of reference.group_by_expert).
+struct ExpertGroups {
+  int64_t top_k = 1;
+  Tensor order;                       // [T*K] int64: pair index (t*K + k) of each sorted row
+  std::vector<int64_t> offsets;       // [E+1]: rows of expert e are offsets[e] .. offsets[e+1]
+  std::vector<int64_t> row_of_pair;   // inverse of order
+  std::vector<int64_t> token_of_row;  // order // K
+
+  int64_t start(int64_t e) const { return offsets[e]; }
+  int64_t count(int64_t e) const { return offsets[e + 1] - offsets[e]; }
+};
+
+ExpertGroups group_by_expert(const Tensor& topk_ids, int64_t num_experts) {
+  ExpertGroups g;
+  Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t n = ids.numel();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  g.top_k = ids.size(1);
+  g.offsets.assign(num_experts + 1, 0);
+  for (int64_t p = 0; p < n; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "mok_cpu.fused_moe: topk_ids holds expert ", id[p],
+                ", outside [0, ", num_experts, ")");
+    ++g.offsets[id[p] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) g.offsets[e + 1] += g.offsets[e];
+  g.order = at::empty({n}, ids.options());
+  int64_t* order = g.order.data_ptr<int64_t>();
+  g.row_of_pair.resize(n);
+  g.token_of_row.resize(n);
+  std::vector<int64_t> next(g.offsets.begin(), g.offsets.end() - 1);
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t r = next[id[p]]++;
+    order[r] = p;
+    g.row_of_pair[p] = r;
+    g.token_of_row[r] = p / g.top_k;
+  }
+  return g;
+}
+
+// Copy rows src[token_of_row[r]] (r in [begin, end)) to dst[r]; src and dst contiguous, same dtype.
+void gather_rows(const Tensor& src, const ExpertGroups& g, int64_t begin, int64_t end, Tensor& dst) {
+  const size_t row_bytes = static_cast<size_t>(src.size(1)) * src.element_size();
+  const char* s = static_cast<const char*>(src.const_data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t r = begin; r < end; ++r) {
+    std::memcpy(d + r * row_bytes, s + g.token_of_row[r] * row_bytes, row_bytes);
+  }
+}
+
+// Below this many multiply-adds per pass over the experts, one thread does it all:
+// opening a parallel region costs more than the work (and on a busy machine a
+// worker that is not scheduled stalls the region for a time slice).
+constexpr int64_t kMinParallelMacs = int64_t(1) << 22;
+
+// Calls fn(e) once for every expert with rows; `macs_per_row` sizes the work. With
+// enough work and at least two experts per thread, experts run in parallel, split
+// into one bin per thread of about equal rows (largest expert first into the
+// lightest bin); each GEMM is then single-threaded, which beats splitting small
+// GEMMs across cores. Otherwise experts run one after another and BLAS decides
+// its own threading.
+template <typename F>
+void for_each_expert(const ExpertGroups& g, int64_t macs_per_row, const F& fn) {
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(g.offsets.size()); ++e) {
+    if (g.count(e) > 0) active.push_back(e);
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t rows = g.order.numel();
+  if (threads < 2 || static_cast<int64_t>(active.size()) < 2 * threads || rows * macs_per_row < kMinParallelMacs ||
+      at::in_parallel_region()) {
+    for (int64_t e : active) fn(e);
+    return;
+  }
+  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) { return g.count(a) > g.count(b); });
+  std::vector<std::vector<int64_t>> bins(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (int64_t e : active) {
+    const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
+    bins[b].push_back(e);
+    load[b] += g.count(e);
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+    // OpenMP workers start with default thread-local state (grad mode on):
+    // keep ATen calls below autograd, as on the calling thread.
+    c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t e : bins[b]) fn(e);
+    }
+  });
+}
+
+// The matrix W' with y = x @ W' for a stacked expert weight: W (transposed layout) or W^T (F.linear layout).
+Tensor as_right_factor(const Tensor& w, bool transposed) { return transposed ? w : w.t(); }
+
+// ----------------------------------------------------------------------------- combine
+
+// out[t] = sum_k w[t,k] * ys[row_of_pair[t*K+k]]: products rounded to prod_t (the
+// promoted dtype of y and w, as in the reference's `y * w`), summed over k in
+// order in its op-math type, rounded to prod_t, then to scalar_t.
+template <typename scalar_t, typename prod_t>
+void combine_rows(const Tensor& ys, const Tensor& w, const ExpertGroups& g, Tensor& out) {
+  using acc_t = at::opmath_type<prod_t>;
+  const int64_t T = out.size(0), H = out.size(1), K = g.top_k;
+  const scalar_t* y = ys.const_data_ptr<scalar_t>();
+  const prod_t* wp = w.const_data_ptr<prod_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H * K, 1)), [&](int64_t t0, int64_t t1) {
+    std::vector<acc_t> acc(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t k = 0; k < K; ++k) {
+        const acc_t wk = static_cast<acc_t>(wp[t * K + k]);
+        const scalar_t* yr = y + g.row_of_pair[t * K + k] * H;
+        for (int64_t j = 0; j < H; ++j) {
+          acc[j] += static_cast<acc_t>(static_cast<prod_t>(static_cast<acc_t>(yr[j]) * wk));
+        }
+      }
+      for (int64_t j = 0; j < H; ++j) o[t * H + j] = static_cast<scalar_t>(static_cast<prod_t>(acc[j]));
+    }
+  });
+}
+
+Tensor combine(const Tensor& ys, const Tensor& topk_weights, const ExpertGroups& g, int64_t T, int64_t H) {
+  const at::ScalarType x_dtype = ys.scalar_type();
+  const at::ScalarType prod_dtype = at::promote_types(x_dtype, topk_weights.scalar_type());
+  TORCH_CHECK(prod_dtype == x_dtype || prod_dtype == at::kFloat, "mok_cpu.fused_moe: routing weights of dtype ",
+              topk_weights.scalar_type(), " cannot be combined with ", x_dtype, " expert outputs");
+  Tensor w = topk_weights.to(prod_dtype).contiguous();
+  Tensor out = at::empty({T, H}, ys.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_dtype, "mok_cpu_combine", [&] {
+    if (prod_dtype == x_dtype) {
+      combine_rows<scalar_t, scalar_t>(ys, w, g, out);
+    } else {
+      combine_rows<scalar_t, float>(ys, w, g, out);
+    }
+  });
+  return out;
+}
+
+// d_x[t] = sum of dx_rows over the token's rows, in row order (= expert order, the
+// order in which the reference's index_add_ adds them); d_x starts at zero.
+template <typename acc_t>
+void sum_rows_per_token(const Tensor& dx_rows, const ExpertGroups& g, Tensor& d_x) {
+  const int64_t T = d_x.size(0), H = d_x.size(1), K = g.top_k;
+  const acc_t* src = dx_rows.const_data_ptr<acc_t>();
+  acc_t* dst = d_x.data_ptr<acc_t>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H * K, 1)), [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> rows(K);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t k = 0; k < K; ++k) rows[k] = g.row_of_pair[t * K + k];
+      std::sort(rows.begin(), rows.end());
+      acc_t* d = dst + t * H;
+      for (int64_t r : rows) {
+        const acc_t* s = src + r * H;
+        for (int64_t j = 0; j < H; ++j) d[j] += s[j];
+      }
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------- forward
+
+Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids, const Tensor& gate_up,
+                       const OptTensor& gate_up_bias, const Tensor& down, const OptTensor& down_bias,
+                       const MoeOptions& o) {
+  const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0);
+  const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
+  const ExpertGroups g = group_by_expert(topk_ids, E);
+  const int64_t N = g.order.numel();
+  Tensor xs = at::empty({N, H}, x.options());
+  Tensor h = at::empty({N, up_out}, x.options());
+  Tensor ys = at::empty({N, H}, x.options());
+
+  for_each_expert(g, H * up_out, [&](int64_t e) {
+    const int64_t s = g.start(e), n = g.count(e);
+    gather_rows(x, g, s, s + n, xs);
+    Tensor h_e = h.narrow(0, s, n);
+    at::mm_out(h_e, xs.narrow(0, s, n), as_right_factor(gate_up.select(0, e), o.transposed));
+    if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e));  // after the GEMM's rounding, like HF
+  });
+  Tensor a = activate(h, o).contiguous();
+  for_each_expert(g, a.size(1) * H, [&](int64_t e) {
+    const int64_t s = g.start(e), n = g.count(e);
+    Tensor y_e = ys.narrow(0, s, n);
+    at::mm_out(y_e, a.narrow(0, s, n), as_right_factor(down.select(0, e), o.transposed));
+    if (down_bias.has_value()) y_e.add_(down_bias->select(0, e));
+  });
+  return combine(ys, topk_weights, g, T, H);
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(
+    const Tensor& hidden_states, const Tensor& router, const OptTensor& router_bias, const OptTensor& selection_bias,
+    const Tensor& gate_up_proj, const OptTensor& gate_up_bias, const Tensor& down_proj, const OptTensor& down_bias,
+    int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32, bool softmax_fp32,
+    bool renormalize, double renorm_eps, double routed_scale, int64_t n_group, int64_t topk_group,
+    bool weights_fp32, c10::string_view activation, bool gated, bool interleaved, bool transposed, double alpha,
+    double limit) {
+  const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
+                     renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
+                     gated, interleaved, transposed, alpha, limit};
+  TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
+  Tensor x = hidden_states.contiguous();
+  Tensor logits = router_logits(x, router, router_bias, o);
+  auto [w, ids] = route(logits, selection_bias, x.scalar_type(), o);
+  Tensor out = experts_forward(x, w, ids, gate_up_proj.contiguous(), gate_up_bias, down_proj.contiguous(),
+                               down_bias, o);
+  return {out, w, ids};
+}
+
+// ----------------------------------------------------------------------------- backward
+
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+BackwardResult fused_moe_backward(
+    const Tensor& grad_out, const OptTensor& grad_topk_weights, const Tensor& hidden_states, const Tensor& router,
+    const OptTensor& router_bias, const OptTensor& selection_bias, const Tensor& gate_up_proj,
+    const OptTensor& gate_up_bias, const Tensor& down_proj, const OptTensor& down_bias, const Tensor& topk_weights,
+    const Tensor& topk_ids, int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32,
+    bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
+    int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
+    bool transposed, double alpha, double limit) {
+  const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
+                     renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
+                     gated, interleaved, transposed, alpha, limit};
+  const Tensor& x = hidden_states;
+  TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
+  const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0), K = topk_ids.dim() == 2 ? topk_ids.size(1) : -1;
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), "mok_cpu.fused_moe_backward: grad_out has shape ", grad_out.sizes(),
+              ", expected ", x.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "mok_cpu.fused_moe_backward: topk_ids has shape ",
+              topk_ids.sizes(), ", expected [", T, ", top_k]");
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "mok_cpu.fused_moe_backward: topk_weights has shape ",
+              topk_weights.sizes(), ", expected ", topk_ids.sizes());
+  // fp32 accumulation for fp32/bf16/fp16, fp64 for fp64 (as the reference).
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
+  const auto acc_opts = x.options().dtype(acc);
+  Tensor xa = x.to(acc).contiguous();
+  Tensor go = grad_out.to(acc).contiguous();
+  Tensor wts = topk_weights.to(acc).contiguous().view({-1});
+  const Tensor gate_up = gate_up_proj.contiguous(), down = down_proj.contiguous();
+  auto expert_weight = [&](const Tensor& stacked, int64_t e) { return stacked.select(0, e).to(acc); };
+
+  const ExpertGroups g = group_by_expert(topk_ids, E);
+  const int64_t N = g.order.numel();
+  const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
+  const int64_t inter = o.transposed ? down.size(1) : down.size(2);
+  Tensor xs = at::empty({N, H}, acc_opts);
+  Tensor gos = at::empty({N, H}, acc_opts);
+  Tensor ws = wts.index_select(0, g.order);  // routing weight of each sorted row
+  Tensor h = at::empty({N, up_out}, acc_opts);
+  Tensor dy = at::empty({N, H}, acc_opts);
+  Tensor da = at::empty({N, inter}, acc_opts);
+  Tensor dx_rows = at::empty({N, H}, acc_opts);
+  Tensor dw_rows = at::empty({N}, acc_opts);
+  Tensor d_w1 = at::zeros(gate_up.sizes(), acc_opts);
+  Tensor d_w2 = at::zeros(down.sizes(), acc_opts);
+  Tensor d_b1 = gate_up_bias.has_value() ? at::zeros(gate_up_bias->sizes(), acc_opts) : Tensor();
+  Tensor d_b2 = down_bias.has_value() ? at::zeros(down_bias->sizes(), acc_opts) : Tensor();
+
+  // Recompute h = x @ W1' + b1 per expert.
+  for_each_expert(g, H * up_out, [&](int64_t e) {
+    const int64_t s = g.start(e), n = g.count(e);
+    gather_rows(xa, g, s, s + n, xs);
+    gather_rows(go, g, s, s + n, gos);
+    Tensor h_e = h.narrow(0, s, n);
+    at::mm_out(h_e, xs.narrow(0, s, n), as_right_factor(expert_weight(gate_up, e), o.transposed));
+    if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e).to(acc));
+  });
+  Tensor a = activate(h, o).contiguous();
+  // y = a @ W2' + b2 (for d(routing weight)), dy = go * w, dW2, db2 and da per expert.
+  for_each_expert(g, 3 * inter * H, [&](int64_t e) {
+    const int64_t s = g.start(e), n = g.count(e);
+    Tensor w2 = expert_weight(down, e);
+    Tensor a_e = a.narrow(0, s, n), go_e = gos.narrow(0, s, n), dy_e = dy.narrow(0, s, n);
+    Tensor y_e = at::mm(a_e, as_right_factor(w2, o.transposed));
+    if (down_bias.has_value()) y_e = y_e + down_bias->select(0, e).to(acc);
+    Tensor dw_e = dw_rows.narrow(0, s, n);
+    at::sum_out(dw_e, go_e * y_e, at::IntArrayRef{-1});
+    at::mul_out(dy_e, go_e, ws.narrow(0, s, n).unsqueeze(-1));
+    Tensor d_w2_e = d_w2.select(0, e);
+    if (o.transposed) {
+      at::mm_out(d_w2_e, a_e.t(), dy_e);
+    } else {
+      at::mm_out(d_w2_e, dy_e.t(), a_e);
+    }
+    Tensor da_e = da.narrow(0, s, n);
+    at::mm_out(da_e, dy_e, as_right_factor(w2, o.transposed).t());
+    if (d_b2.defined()) {
+      Tensor d_b2_e = d_b2.select(0, e);
+      at::sum_out(d_b2_e, dy_e, at::IntArrayRef{0});
+    }
+  });
+  Tensor dh = activation_backward(h, da, o).contiguous();
+  // dW1, db1 and dx per expert.
+  for_each_expert(g, 2 * H * up_out, [&](int64_t e) {
+    const int64_t s = g.start(e), n = g.count(e);
+    Tensor dh_e = dh.narrow(0, s, n), xs_e = xs.narrow(0, s, n);
+    Tensor d_w1_e = d_w1.select(0, e);
+    if (o.transposed) {
+      at::mm_out(d_w1_e, xs_e.t(), dh_e);
+    } else {
+      at::mm_out(d_w1_e, dh_e.t(), xs_e);
+    }
+    Tensor dx_e = dx_rows.narrow(0, s, n);
+    at::mm_out(dx_e, dh_e, as_right_factor(expert_weight(gate_up, e), o.transposed).t());
+    if (d_b1.defined()) {
+      Tensor d_b1_e = d_b1.select(0, e);
+      at::sum_out(d_b1_e, dh_e, at::IntArrayRef{0});
+    }
+  });
+  Tensor d_x = at::zeros({T, H}, acc_opts);
+  AT_DISPATCH_FLOATING_TYPES(acc, "mok_cpu_sum_rows", [&] { sum_rows_per_token<scalar_t>(dx_rows, g, d_x); });
+
+  Tensor d_wts = at::empty({N}, acc_opts).index_copy_(0, g.order, dw_rows).view({T, K});
+  if (grad_topk_weights.has_value()) d_wts = d_wts + grad_topk_weights->to(acc);
+  Tensor logits = router_logits(x, router, router_bias, o);
+  Tensor d_logits = routing_backward(logits, topk_ids, d_wts, o);
+  Tensor d_router, d_router_bias;
+  if (o.router_is_logits) {
+    d_router = d_logits.to(router.scalar_type());
+  } else {
+    d_router = at::mm(d_logits.t(), xa).to(router.scalar_type());
+    d_x.add_(at::mm(d_logits, router.to(acc)));
+    if (router_bias.has_value()) d_router_bias = d_logits.sum(at::IntArrayRef{0}).to(router_bias->scalar_type());
+  }
+  return {
+      d_x.to(x.scalar_type()),
+      d_router,
+      d_router_bias,
+      d_w1.to(gate_up_proj.scalar_type()),
+      d_b1.defined() ? d_b1.to(gate_up_bias->scalar_type()) : Tensor(),
+      d_w2.to(down_proj.scalar_type()),
+      d_b2.defined() ? d_b2.to(down_bias->scalar_type()) : Tensor(),
+  };
+}
+
+}  // namespace
+
+// Same arguments as mok::fused_moe (library.py), all passed explicitly (no defaults:
+// the Python wrapper completes them with spec.with_defaults).
+#define MOK_CPU_SCALARS                                                                                          \
+  "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
+  "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
+  "bool gated, bool interleaved, bool transposed, float alpha, float limit"
+#define MOK_CPU_WEIGHTS                                                                                          \
+  "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
+  "Tensor down_proj, Tensor? down_bias"
+
+TORCH_LIBRARY(mok_cpu, m) {
+  m.def("fused_moe(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
+        ") -> (Tensor, Tensor, Tensor)");
+  m.def("fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, " MOK_CPU_WEIGHTS
+        ", Tensor topk_weights, Tensor topk_ids, *, " MOK_CPU_SCALARS
+        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(mok_cpu, CPU, m) {
+  m.impl("fused_moe", &fused_moe_forward);
+  m.impl("fused_moe_backward", &fused_moe_backward);
+}
