@@ -50,10 +50,12 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Backend
     saved_graph = None if opts.strict else snapshot_graph(gm.graph)
     try:
         report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict)
-    except Exception:
+    except Exception as err:
         if opts.strict:
             raise
-        log.warning("mok: the MoE pass failed on graph %s; compiling it unfused", _graph_name(gm), exc_info=True)
+        log.warning("mok: the MoE pass failed on graph %s (%s: %s); compiling it unfused. "
+                    "MOK_LOG_LEVEL=DEBUG shows the traceback.", _graph_name(gm), type(err).__name__, err)
+        log.debug("mok: MoE pass traceback", exc_info=True)
         gm.graph = saved_graph
         gm.recompile()
         return None
