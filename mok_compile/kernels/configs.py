@@ -35,8 +35,8 @@ _DEFAULTS = {
         "m1024": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
         "mbig": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
     },
-    "bwd_hidden": {
-        "m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+    "bwd_gate_up": {
+        "m16": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
         "m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
         "m256": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
         "m1024": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -51,11 +51,13 @@ _DEFAULTS = {
     },
 }
 _DEFAULTS["dgrad"] = _DEFAULTS["down"]
+_DEFAULTS["bwd_g2"] = _DEFAULTS["down"]
 _FP32_DEFAULT = {
     "gate_up": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
     "down": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
     "dgrad": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
-    "bwd_hidden": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    "bwd_gate_up": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    "bwd_g2": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
     "wgrad": dict(BLOCK_P=64, BLOCK_Q=64, BLOCK_R=32, num_warps=4, num_stages=2),
 }
 # Small tiles for the CPU interpreter (tests): its cost grows with tile size, not program count.
@@ -63,7 +65,8 @@ _INTERPRET = {
     "gate_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
     "down": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
     "dgrad": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
-    "bwd_hidden": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    "bwd_gate_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    "bwd_g2": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
     "wgrad": dict(BLOCK_P=16, BLOCK_Q=16, BLOCK_R=16, num_warps=1, num_stages=1),
 }
 
@@ -89,7 +92,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torch.device) -> dict:
-    """Block sizes and launch options for `kernel` (gate_up, down, dgrad, bwd_hidden, wgrad)."""
+    """Block sizes and launch options for `kernel` (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(_INTERPRET[kernel])
     b = bucket(rows_per_expert)

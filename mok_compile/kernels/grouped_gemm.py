@@ -8,12 +8,15 @@ Three kernels, each with an upper-bound grid whose surplus programs exit at once
   Gated experts keep gate and up accumulators in the same program, so the
   activation runs in the epilogue and only I (not 2I) columns are written.
   Used for forward gate_up, forward down and backward d(pairs' inputs).
-- `_bwd_hidden_kernel`: the backward's middle: recomputes gate_up
-  (x @ W1) and computes go @ W2^T for the same rows and I-tile in one K loop
-  over H, then d(activation) in the epilogue, so h is never stored.
+- `_gate_up_bwd_kernel`: the backward's middle: recomputes gate_up (x @ W1)
+  and, in its epilogue, takes d(activation) with g2 = go @ W2^T from a plain
+  gathered GEMM launched before it, so h is never stored.
 - `_wgrad_kernel`: per-expert weight gradient; each program owns one output
   tile and reduces over its expert's rows in sorted order (deterministic,
   no atomics); the bias gradient rides along in the programs of the first tile column.
+  (A runtime `if pid_q == 0` around that bias sum inside the pipelined K loop gave
+  run-to-run different weight gradients on an H200 with Triton 3.6, so every program
+  sums and only the first column's programs store.)
 
 Weights may be in F.linear layout or transposed: kernels take (k, n) strides.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .activation import act_backward, act_forward, act_value_fp32, _r
+from .activation import _r, act_backward, act_forward, act_value_fp32
 
 
 @triton.jit
@@ -43,6 +46,49 @@ def _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M: tl.c
 
 
 @triton.jit
+def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, N, KD, col_mul, up_off,
+              GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """acc = A[a_rows, :] @ B[:, cols] over KD, B[k, c] at b_ptr + k*stride_bk + c*stride_bn.
+
+    Gated: one [BLOCK_K, 2*BLOCK_N] B tile whose column 2i is gate column (n0+i)*col_mul and column
+    2i+1 the matching up column, so gate and up come out of a single wide dot (the matrix unit's
+    best shape) and `tl.split` of the [BM, BN, 2] view separates them in the epilogue."""
+    if GATED:
+        jj = tl.arange(0, 2 * BLOCK_N)
+        ncol = n0 + jj // 2
+        cols = ncol * col_mul + (jj % 2) * up_off
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+    else:
+        ncol = n0 + tl.arange(0, BLOCK_N)
+        cols = ncol
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    nmask = ncol < N
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
+    b_ptrs = b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn
+    for k0 in range(0, KD, BLOCK_K):
+        kmask = (k0 + kk) < KD
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _block_rows(sorted_pair_ptr, expert_count_ptr, expert_start_ptr, pid_m, E, TOPK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, sorted rows, row mask, pair ids) of row block pid_m."""
+    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    pair = tl.load(sorted_pair_ptr + rows, mask=rmask & (e < E), other=0)
+    return e, rows, rmask, pair
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, expert_count_ptr, expert_start_ptr,
     N, KD, E, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,
@@ -55,130 +101,93 @@ def _grouped_gemm_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, rows, rmask, pair = _block_rows(sorted_pair_ptr, expert_count_ptr, expert_start_ptr, pid_m, E, TOPK,
+                                       BLOCK_M, BLOCK_E)
     if e >= E:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
     if A_GATHER:
-        a_rows = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0) // TOPK
+        a_rows = pair // TOPK
     else:
         a_rows = rows
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    col_g = n * col_mul
-    col_u = col_g + up_off
-    kk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
-    b_base = b_ptr + e.to(tl.int64) * stride_be + kk[:, None] * stride_bk
-    bg_ptrs = b_base + col_g[None, :] * stride_bn
-    bu_ptrs = b_base + col_u[None, :] * stride_bn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, KD, BLOCK_K):
-        kmask = (k0 + kk) < KD
-        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        bmask = kmask[:, None] & nmask[None, :]
-        acc_g = tl.dot(a, tl.load(bg_ptrs, mask=bmask, other=0.0), acc_g, input_precision=PRECISION)
-        if GATED:
-            acc_u = tl.dot(a, tl.load(bu_ptrs, mask=bmask, other=0.0), acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        bg_ptrs += BLOCK_K * stride_bk
-        bu_ptrs += BLOCK_K * stride_bk
+    n0 = pid_n * BLOCK_N
+    acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
+                    n0, N, KD, col_mul, up_off, GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # Epilogue, rounding where HF's module holds a tensor in the input dtype: the projection's
     # output, the bias add, then each op of the activation.
     DT = c_ptr.dtype.element_ty
-    g = _r(acc_g, DT)
-    if HAS_BIAS:
-        bias_base = bias_ptr + e.to(tl.int64) * stride_bias_e
-        g = _r(g + tl.load(bias_base + col_g, mask=nmask, other=0.0).to(tl.float32)[None, :], DT)
-    if ACT > 0:
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    bias_base = bias_ptr + e.to(tl.int64) * stride_bias_e
+    if GATED:
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        g = _r(g, DT)
+        u = _r(u, DT)
+        if HAS_BIAS:
+            g = _r(g + tl.load(bias_base + n * col_mul, mask=nmask, other=0.0).to(tl.float32)[None, :], DT)
+            u = _r(u + tl.load(bias_base + n * col_mul + up_off, mask=nmask, other=0.0).to(tl.float32)[None, :], DT)
+    else:
+        g = _r(acc, DT)
+        if HAS_BIAS:
+            g = _r(g + tl.load(bias_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :], DT)
         u = g
-        if GATED:
-            u = _r(acc_u, DT)
-            if HAS_BIAS:
-                u = _r(u + tl.load(bias_base + col_u, mask=nmask, other=0.0).to(tl.float32)[None, :], DT)
+    if ACT > 0:
         g = act_forward(g, u, alpha, limit, ACT, DT)
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + n[None, :]
     tl.store(c_ptrs, g.to(DT), mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _bwd_hidden_kernel(
-    x_ptr, go_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, w2_ptr, dh_ptr, act_ptr, dw_part_ptr,
+def _gate_up_bwd_kernel(
+    x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_ptr, act_ptr, dw_part_ptr,
     expert_count_ptr, expert_start_ptr,
-    I, H, E, TK, stride_xm, stride_gm, stride_w1e, stride_w1k, stride_w1n, stride_b1e,
-    stride_w2e, stride_w2k, stride_w2n, stride_dhm, stride_am, col_mul, up_off, alpha, limit,
+    I, H, E, TK, stride_xm, stride_w1e, stride_w1k, stride_w1n, stride_b1e, stride_g2m, stride_dhm, stride_am,
+    col_mul, up_off, alpha, limit,
     TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """For each pair row r (token t, weight w) and I-tile n:
-         h = x[t] @ W1[e] (+ b1)          recomputed, gate and up
-         g2 = go[t] @ W2[e]^T             d(expert output) before the routing weight
-         dw_part[pid_n, r] = sum_n g2 * act(h)    (d topk_weight, partial over I-tiles)
-         dh = act'(h) * (w * g2);  act(h) stored for dW2."""
+    """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
+    g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
+        dw_part[pid_n, r] = sum_n g2 * act(h)     partial d(topk_weight) over this I-tile
+        dh = act'(h) * (w * g2)                    stored in h's column layout
+        act(h)                                     stored for dW2"""
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, rows, rmask, pair = _block_rows(sorted_pair_ptr, expert_count_ptr, expert_start_ptr, pid_m, E, TOPK,
+                                       BLOCK_M, BLOCK_E)
     if e >= E:
         return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
-    tok = (pair // TOPK).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
+                    stride_w1n, n0, I, H, col_mul, up_off, GATED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < I
     col_g = n * col_mul
     col_u = col_g + up_off
-    kk = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tok[:, None] * stride_xm + kk[None, :]
-    go_ptrs = go_ptr + tok[:, None] * stride_gm + kk[None, :]
-    w1_base = w1_ptr + e.to(tl.int64) * stride_w1e + kk[:, None] * stride_w1k
-    w1g_ptrs = w1_base + col_g[None, :] * stride_w1n
-    w1u_ptrs = w1_base + col_u[None, :] * stride_w1n
-    w2_ptrs = w2_ptr + e.to(tl.int64) * stride_w2e + kk[:, None] * stride_w2k + n[None, :] * stride_w2n
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_d = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kmask = (k0 + kk) < H
-        am = rmask[:, None] & kmask[None, :]
-        bm = kmask[:, None] & nmask[None, :]
-        xa = tl.load(x_ptrs, mask=am, other=0.0)
-        ga = tl.load(go_ptrs, mask=am, other=0.0)
-        acc_g = tl.dot(xa, tl.load(w1g_ptrs, mask=bm, other=0.0), acc_g, input_precision=PRECISION)
-        if GATED:
-            acc_u = tl.dot(xa, tl.load(w1u_ptrs, mask=bm, other=0.0), acc_u, input_precision=PRECISION)
-        acc_d = tl.dot(ga, tl.load(w2_ptrs, mask=bm, other=0.0), acc_d, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        go_ptrs += BLOCK_K
-        w1g_ptrs += BLOCK_K * stride_w1k
-        w1u_ptrs += BLOCK_K * stride_w1k
-        w2_ptrs += BLOCK_K * stride_w2k
-
-    g = acc_g
-    u = acc_g
-    if HAS_BIAS:
-        b1 = b1_ptr + e.to(tl.int64) * stride_b1e
-        g = g + tl.load(b1 + col_g, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    b1 = b1_ptr + e.to(tl.int64) * stride_b1e
     if GATED:
-        u = acc_u
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if HAS_BIAS:
             u = u + tl.load(b1 + col_u, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    else:
+        g = acc
+        u = acc
+    if HAS_BIAS:
+        g = g + tl.load(b1 + col_g, mask=nmask, other=0.0).to(tl.float32)[None, :]
     om = rmask[:, None] & nmask[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    g2 = tl.load(g2_ptr + rows64 * stride_g2m + n[None, :], mask=om, other=0.0).to(tl.float32)
     a = tl.where(om, act_value_fp32(g, u, alpha, limit, ACT), 0.0)
-    tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(acc_d * a, axis=1), mask=rmask)
+    tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(g2 * a, axis=1), mask=rmask)
     wv = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
-    dg, du = act_backward(g, u, acc_d * wv[:, None], alpha, limit, ACT)
+    dg, du = act_backward(g, u, g2 * wv[:, None], alpha, limit, ACT)
     DT = dh_ptr.dtype.element_ty
-    dh_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm
-    tl.store(dh_rows + col_g[None, :], dg.to(DT), mask=om)
+    tl.store(dh_ptr + rows64 * stride_dhm + col_g[None, :], dg.to(DT), mask=om)
     if GATED:
-        tl.store(dh_rows + col_u[None, :], du.to(DT), mask=om)
-    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_am + n[None, :], a.to(act_ptr.dtype.element_ty), mask=om)
+        tl.store(dh_ptr + rows64 * stride_dhm + col_u[None, :], du.to(DT), mask=om)
+    tl.store(act_ptr + rows64 * stride_am + n[None, :], a.to(act_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
@@ -227,9 +236,8 @@ def _wgrad_kernel(
             pt = pf.to(DT)
         else:
             pf = pt.to(tl.float32)
-        if HAS_BIAS:
-            if pid_q == 0:
-                bacc += tl.sum(pf, axis=1)
+        if HAS_BIAS:  # every program sums (no runtime `if` inside the pipelined loop, see module doc)
+            bacc += tl.sum(pf, axis=1)
         qt = tl.load(q_ptr + qrow[:, None] * stride_qm + qc[None, :], mask=rmask[:, None] & qmask[None, :],
                      other=0.0)  # [BLOCK_R, BLOCK_Q]
         acc = tl.dot(pt, qt, acc, input_precision=PRECISION)

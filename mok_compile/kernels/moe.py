@@ -15,7 +15,8 @@ Backward (recomputes the routing layout and h rather than saving them; the autog
 wiring saves only the op inputs + topk_weights + topk_ids, i.e. K * (4 + 8) bytes per token
 beyond the inputs):
     logits recomputed, count, scan, scatter
-    bwd_hidden  per (pair row, I-tile): h = x @ W1, g2 = go @ W2^T, dh, act(h), partial d(weights)
+    g2          g2[r] = go[tok(r)] @ W2[e]^T                (gathered GEMM)
+    gate_up_bwd h = x @ W1 recomputed; epilogue: dh, act(h), partial d(weights) per I-tile
     wgrad x2    dW2[e] = sum_r (w go)[r]^T act[r];  dW1[e] = sum_r dh[r]^T x[r]  (+ bias grads)
     dgrad       dxp[r] = dh[r] @ W1[e]
     route_bwd   d(logits) from d(weights)
@@ -32,7 +33,7 @@ from ..ops.spec import with_defaults
 from . import configs
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks
-from .grouped_gemm import _bwd_hidden_kernel, _grouped_gemm_kernel, _wgrad_kernel
+from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
 from .routing import route, route_backward, routing_block
 
 
@@ -162,24 +163,27 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     up_out = 2 if gated else 1
     TK = T * K
 
-    # d(activation inputs), act(h) and partial d(topk_weights), h recomputed in the same K loop.
-    cfg = configs.config("bwd_hidden", x.dtype, rows_per_expert, x.device)
+    # g2 = go[t] @ W2[e]^T per pair; then h recomputed with dh, act(h), partial d(topk_weights) in its epilogue.
+    w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
+    w2_i, w2_h = _down_strides(down_proj, transposed)
+    g2 = torch.empty((TK, I), dtype=x.dtype, device=x.device)
+    _gemm(go, disp, down_proj, (w2_h, w2_i), None, g2, n=I, kd=H, gather=True, gated=False, act=0, col_mul=1,
+          up_off=0, kw=kw, cfg=configs.config("bwd_g2", x.dtype, rows_per_expert, x.device), precision=precision)
+    cfg = configs.config("bwd_gate_up", x.dtype, rows_per_expert, x.device)
     n_parts = triton.cdiv(I, cfg["BLOCK_N"])
     dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=x.device)
     dh = torch.empty((TK, up_out * I), dtype=x.dtype, device=x.device)
     act = torch.empty((TK, I), dtype=x.dtype, device=x.device)
-    w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
-    w2_i, w2_h = _down_strides(down_proj, transposed)
     grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
-    _bwd_hidden_kernel[grid](
-        x, go, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, down_proj,
-        dh, act, dw_parts, disp.expert_count, disp.expert_start,
-        I, H, E, TK, x.stride(0), go.stride(0), gate_up_proj.stride(0), w1_k, w1_n,
-        gate_up_bias.stride(0) if gate_up_bias is not None else 0, down_proj.stride(0), w2_h, w2_i,
-        dh.stride(0), act.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
+    _gate_up_bwd_kernel[grid](
+        x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act,
+        dw_parts, disp.expert_count, disp.expert_start, I, H, E, TK, x.stride(0), gate_up_proj.stride(0), w1_k,
+        w1_n, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
+        act.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
         TOPK=K, GATED=gated, ACT=activation_code(kw["activation"], gated), HAS_BIAS=gate_up_bias is not None,
         PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg,
     )
+    del g2
 
     # Weight gradients: each program reduces its expert's rows in sorted order.
     wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)

@@ -2,7 +2,7 @@
 
     python -m mok_compile.kernels.tune --out DIR [--jobs 8]
 
-Times each kernel (gate_up, down, dgrad, bwd_hidden, wgrad) alone, on the routing of real
+Times each kernel (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad) alone, on the routing of real
 layer sizes, for a few candidate configs per row-count bucket, and keeps the fastest. Candidates are
 first compiled in parallel worker processes (Triton's on-disk cache), then timed one at a time in
 this process so that timings never overlap. Run on the target GPU; commit the JSON as data.
@@ -35,23 +35,26 @@ def _wg(bp, bq, br, w, s):
     return dict(BLOCK_P=bp, BLOCK_Q=bq, BLOCK_R=br, num_warps=w, num_stages=s)
 
 
+KERNELS = ("gate_up", "down", "bwd_g2", "bwd_gate_up", "dgrad", "wgrad")
+
+
 def candidates(kernel, bucket):
+    """A few configs per kernel and bucket (gated kernels' B tile is 2 * BLOCK_N wide)."""
     small = bucket in ("m16", "m64")
-    if kernel in ("gate_up", "down", "dgrad"):
+    gated = kernel in ("gate_up", "bwd_gate_up")
+    if kernel == "wgrad":
         if small:
-            return [_mm(16, 64, 128, 4, 4), _mm(16, 128, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4),
-                    _mm(64, 128, 64, 4, 4)]
-        c = [_mm(64, 128, 64, 4, 4), _mm(64, 128, 64, 8, 3), _mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 4, 4)]
-        if kernel != "gate_up":
-            c.append(_mm(128, 256, 64, 8, 3))
-        return c
-    if kernel == "bwd_hidden":
-        if small:
-            return [_mm(16, 64, 128, 4, 3), _mm(32, 64, 64, 4, 3), _mm(64, 64, 64, 4, 3)]
-        return [_mm(64, 64, 64, 4, 3), _mm(64, 128, 64, 8, 3), _mm(128, 64, 64, 8, 3), _mm(128, 128, 64, 8, 2)]
+            return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3)]
+        return [_wg(128, 128, 64, 8, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(128, 128, 128, 8, 2),
+                _wg(64, 128, 64, 4, 4)]
     if small:
-        return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3)]
-    return [_wg(128, 128, 64, 8, 3), _wg(128, 64, 64, 4, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 32, 8, 4)]
+        c = [_mm(16, 64, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4), _mm(32, 128, 64, 4, 4)]
+        return c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(64, 128, 64, 4, 4)]
+    if gated:
+        return [_mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 8, 4), _mm(64, 128, 64, 8, 4), _mm(128, 64, 64, 4, 4),
+                _mm(128, 128, 64, 8, 4), _mm(64, 64, 64, 4, 4)]
+    return [_mm(128, 256, 64, 8, 3), _mm(128, 128, 64, 8, 4), _mm(64, 256, 64, 8, 3), _mm(128, 128, 64, 4, 4),
+            _mm(128, 256, 64, 8, 4)]
 
 
 class _Problem:
@@ -76,6 +79,7 @@ class _Problem:
         self.disp = Dispatch(self.ids, counts, E, block_t)
         TK = T * K
         self.act = torch.randn(TK, I, device=dev, dtype=dt)
+        self.act2 = torch.empty_like(self.act)
         self.dh = torch.randn(TK, 2 * I, device=dev, dtype=dt)
         self.out_h = torch.empty(TK, H, device=dev, dtype=dt)
         self.kw = dict(alpha=1.702, limit=7.0)
@@ -97,21 +101,23 @@ class _Problem:
             d = torch.empty_like(self.w1)
             m._wgrad(self.dh, self.x, self.disp, None, d, None, P=2 * I, Q=H, p_gather=False, q_gather=True,
                      strides_pq=m._gate_up_strides(d, False)[::-1], cfg=cfg, precision="ieee")
-        elif kernel == "bwd_hidden":
+        elif kernel == "bwd_g2":
+            w2i, w2h = m._down_strides(self.w2, False)
+            m._gemm(self.go, self.disp, self.w2, (w2h, w2i), None, self.act, n=I, kd=H, gather=True, gated=False,
+                    act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision="ieee")
+        elif kernel == "bwd_gate_up":
             import triton
 
-            from .grouped_gemm import _bwd_hidden_kernel
+            from .grouped_gemm import _gate_up_bwd_kernel
 
             TK = self.T * K
             parts = torch.empty(triton.cdiv(I, cfg["BLOCK_N"]), TK, device="cuda")
             w1k, w1n = m._gate_up_strides(self.w1, False)
-            w2i, w2h = m._down_strides(self.w2, False)
             grid = (m._grid_rows(TK, E, cfg["BLOCK_M"]) * parts.shape[0],)
-            _bwd_hidden_kernel[grid](
-                self.x, self.go, self.disp.sorted_pair, self.w.reshape(-1), self.w1, self.x, self.w2, self.dh,
-                self.act, parts, self.disp.expert_count, self.disp.expert_start, I, H, E, TK, H, H,
-                self.w1.stride(0), w1k, w1n, 0, self.w2.stride(0), w2h, w2i, 2 * I, I, 1, I, 1.702, 7.0,
-                TOPK=K, GATED=True, ACT=1, HAS_BIAS=False, PRECISION="ieee",
+            _gate_up_bwd_kernel[grid](
+                self.x, self.disp.sorted_pair, self.w.reshape(-1), self.w1, self.x, self.act, self.dh, self.act2,
+                parts, self.disp.expert_count, self.disp.expert_start, I, H, E, TK, H, self.w1.stride(0), w1k, w1n,
+                0, I, 2 * I, I, 1, I, 1.702, 7.0, TOPK=K, GATED=True, ACT=1, HAS_BIAS=False, PRECISION="ieee",
                 BLOCK_E=triton.next_power_of_2(E), **cfg)
 
 
@@ -121,7 +127,7 @@ def _jobs():
     for shape in TUNE_SHAPES:
         H, I, E, K, T = shape
         b = bucket(T * K / E)
-        for kernel in ("gate_up", "down", "dgrad", "bwd_hidden", "wgrad"):
+        for kernel in KERNELS:
             yield shape, b, kernel
 
 
@@ -131,7 +137,7 @@ def _compile_worker(shape):
     from .configs import bucket
 
     b = bucket(shape[4] * shape[3] / shape[2])
-    for kernel in ("gate_up", "down", "dgrad", "bwd_hidden", "wgrad"):
+    for kernel in KERNELS:
         for cfg in candidates(kernel, b):
             try:
                 p.launch(kernel, cfg)
