@@ -1,0 +1,140 @@
+"""fuse_moe on transformers 5.x MoE blocks and models: grouped_mm (bf16), grouped_mm_fallback (fp32), batched_mm."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from mok_compile.hf_blocks import FAMILIES, init_moe_weights_, make_block, make_config, routed_parts
+from mok_compile.passes import fuse_moe
+
+from .helpers import capture, count_fused, ops_in, run
+
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
+EXPECTED_FORM = {("grouped_mm", torch.bfloat16): "grouped_mm", ("grouped_mm", torch.float32): "grouped_mm_fallback",
+                 ("batched_mm", torch.bfloat16): "batched_mm", ("batched_mm", torch.float32): "batched_mm"}
+
+
+def _output(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_block_fused(family, dtype, impl):
+    block = make_block(family, dtype=dtype, experts_implementation=impl)
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    (graph,), eager = capture(block, x)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    assert counters["mok"]["fused_moe"] == 1 and counters["mok"]["rejected_moe"] == 0
+    assert count_fused(gm) == 1
+    assert not any("topk" in op or "grouped_mm" in op or "bmm" in op for op in ops_in(gm)), gm.code
+    torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[dtype])
+
+    block_report = report.blocks[0]
+    assert block_report.form == EXPECTED_FORM[(impl, dtype)]
+    assert (block_report.num_experts, block_report.top_k, block_report.hidden, block_report.intermediate) == (8, 2, 64, 32)
+    _, _, routing, experts = routed_parts(family, block)
+    assert block_report.experts == experts
+    got = dataclasses.asdict(block_report.routing)
+    want = dataclasses.asdict(routing)
+    if dtype == torch.float32:  # fp32 router / fp32 weights are the same computation for fp32 inputs
+        for key in ("router_fp32", "softmax_fp32", "weights_fp32"):
+            got.pop(key), want.pop(key)
+    assert got == want
+
+
+def test_bf16_block_is_bitwise_identical():
+    """grouped_mm in bf16: the fused op (reference kernel on CPU) reproduces the HF block bit for bit."""
+    block = make_block("qwen3_moe", dtype=torch.bfloat16)
+    (graph,), eager = capture(block, torch.randn(3, 7, 64, dtype=torch.bfloat16))
+    fuse_moe(*graph)
+    assert torch.equal(_output(run(*graph)), _output(eager))
+
+
+def test_router_scores_output_replaced_by_op_weights():
+    """GPT-OSS returns the top-k routing weights; they become the op's second output (no routing left in the graph)."""
+    block = make_block("gpt_oss", dtype=torch.float32)
+    (graph,), eager = capture(block, torch.randn(2, 5, 64))
+    gm, example = graph
+    fuse_moe(gm, example)
+    assert not any("topk" in op or "softmax" in op for op in ops_in(gm)), gm.code
+    out, scores = run(gm, example)
+    torch.testing.assert_close(out, eager[0], **TOL[torch.float32])
+    torch.testing.assert_close(scores, eager[1], **TOL[torch.float32])
+
+
+def _model(family, dtype, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(make_config(family, **overrides))
+    return init_moe_weights_(model).to(dtype).eval()
+
+
+@pytest.mark.parametrize("family,dtype", [("mixtral", torch.bfloat16), ("qwen3_moe", torch.float32),
+                                          ("gpt_oss", torch.float32)])
+def test_model_with_router_logits_for_aux_loss(family, dtype):
+    """output_router_logits=True: the logits stay in the graph and feed the op (router_is_logits=True)."""
+    model = _model(family, dtype, output_router_logits=True)
+    ids = torch.randint(0, 128, (2, 7))
+    (graph,), eager = capture(model, ids, use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert len(report.fused) == 2 and not report.rejected, str(report)
+    assert [b.name for b in report.blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(b.routing.router_is_logits for b in report.blocks)
+    aux_loss, logits = run(gm, example)[:2]
+    torch.testing.assert_close(logits, eager.logits, **TOL[dtype])
+    torch.testing.assert_close(aux_loss, eager.aux_loss, **TOL[dtype])
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "granitemoe"])
+def test_model_dynamic_tokens_stay_symbolic(family):
+    model = _model(family, torch.float32)
+    ids = torch.randint(0, 128, (2, 7))
+    (graph,), eager = capture(model, ids, use_cache=False, dynamic=True)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert len(report.fused) == 2, str(report)
+    ops = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert all(isinstance(n.meta["val"][0].shape[0], torch.SymInt) for n in ops)
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
+    # The same graph runs at another sequence length.
+    other = torch.randint(0, 128, (3, 4))
+    with torch.no_grad():
+        want = model(other, use_cache=False).logits
+        got = gm(*[other if e is example[0] else e for e in _with_sizes(example, ids, other)])[0]
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def _with_sizes(example, old, new):
+    """Example inputs with the traced sizes of `old` replaced by those of `new` (SymInt placeholders)."""
+    from mok_compile.passes.validate import concrete
+
+    sizes = {concrete(s): n for s, n in zip(old.shape, new.shape)}
+    out = []
+    for e in example:
+        if isinstance(e, torch.Tensor):
+            out.append(new if e is old else e)
+        else:
+            out.append(sizes.get(concrete(e), concrete(e)))
+    return out
+
+
+def test_deepseek_v3_model_keeps_shared_experts_outside():
+    model = _model("deepseek_v3", torch.bfloat16, num_key_value_heads=4, _attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 7))
+    (graph,), eager = capture(model, ids, use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert len(report.fused) == 2, str(report)
+    assert all(b.routing.routing == "sigmoid_grouped_topk" and b.routing.n_group == 2 for b in report.blocks)
+    # Shared experts: three linears per layer still in the graph, outside the op.
+    shared = [n for n in gm.graph.nodes if "shared_experts" in n.name and n.op == "placeholder"]
+    assert len(shared) == 6 and all(n.users for n in shared)
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.bfloat16])
