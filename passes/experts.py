@@ -124,8 +124,9 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
 
 
 def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],
-                             down_matmuls: list[fx.Node]):
-    """Routing weights must only be reshaped/indexed, then multiply the down projection's output."""
+                             down_matmuls: list[fx.Node], selection_ops=frozenset()):
+    """Routing weights must only be reshaped/indexed (or, in loops, selected with `selection_ops`), then
+    multiply the down projection's output."""
     wf = flow.forward_slice([weights], within=region.nodes) - {weights}
     if wf & expert_path:
         raise NoMatch("routing weights are applied before the down projection (e.g. to the expert input); "
@@ -139,7 +140,7 @@ def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, e
         w_side = flow.backward_slice([a for a in j.all_input_nodes if a not in after_down],
                                      stop=lambda n: n is weights or n not in region.nodes)
         for n in w_side & wf:
-            if op_name(n) not in LAYOUT_OPS_NAMES:
+            if op_name(n) not in LAYOUT_OPS_NAMES and op_name(n) not in selection_ops:
                 raise NoMatch(f"routing weights go through {op_name(n)!r} ({n.name}) before they are applied")
 
 

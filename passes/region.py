@@ -50,6 +50,10 @@ KNOWN_OPS = frozenset({
 })
 
 
+# Ops that make a fresh tensor whose values do not depend on their input (only its shape/dtype).
+_FACTORIES = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones_like", "full", "new_zeros", "arange"})
+
+
 @dataclass
 class Region:
     topk: fx.Node
@@ -214,8 +218,8 @@ def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
     # may join the routed path only through a product with routing weights.
     for n in routed:
         for a in n.all_input_nodes:
-            if a in expert_side and a is not root and op_name(a) not in LAYOUT_OPS and not _is_weight_prep(a, root,
-                                                                                                          nodes):
+            if (a in expert_side and a is not root and op_name(a) not in LAYOUT_OPS | _FACTORIES
+                    and not _is_weight_prep(a, root, nodes)):
                 if op_name(n) != "mul":
                     raise NoMatch(f"{a.name}, computed without the router, joins the routed output through "
                                   f"{op_name(n)!r} ({n.name}); a shared expert stays outside the fused op")

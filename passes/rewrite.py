@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from .dataflow import Dataflow
-from .op_names import meta_value, tensor_meta
+from .op_names import meta_value, op_name, tensor_meta
 from .region import NoMatch, Region, same_shape
 from .validate import materialize
 
@@ -33,14 +33,45 @@ class Plan:
     keep: set[fx.Node]            # region nodes the rest of the graph still reads
     exports: dict[str, fx.Node]   # "weights" / "ids": region nodes replaced by the op's outputs
     router_is_logits: bool
+    disposable: set[fx.Node]      # outside nodes that only check sizes of region values (Dynamo's runtime asserts)
+
+
+_ASSERTS = {"_assert_scalar", "_assert_async", "sym_constrain_range", "sym_constrain_range_for_size"}
+
+
+def _size_checks(region: Region) -> set[fx.Node]:
+    """Outside nodes that only read sizes of region tensors to assert on them (e.g. Dynamo's checks that a
+    data-dependent size u0 satisfies 0 <= u0 <= T*K); they go with the region."""
+    memo: dict[fx.Node, bool] = {}
+
+    def disposable(u: fx.Node) -> bool:
+        if u in memo:
+            return memo[u]
+        memo[u] = False
+        value = meta_value(u)
+        name = op_name(u)
+        ok = u.op in ("call_function", "call_method") and (
+            name in _ASSERTS or value is None or isinstance(value, (torch.SymInt, torch.SymBool, int, bool))
+            or (name == "getitem" and u.args[0] in region.nodes))
+        ok = ok and all(disposable(v) for v in u.users)
+        memo[u] = ok
+        return ok
+
+    found = set()
+    for n in region.nodes:
+        for u in n.users:
+            if u not in region.nodes and disposable(u):
+                found |= {m for m, ok in memo.items() if ok}
+    return {m for m, ok in memo.items() if ok} & found
 
 
 def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs: list[fx.Node]) -> Plan:
     """Which region values must survive the rewrite, and which the op's outputs replace."""
     out_pos = flow.order[region.out]
     exports, kept = {}, []
+    disposable = _size_checks(region)
     for n in region.nodes:
-        outside = [u for u in n.users if u not in region.nodes]
+        outside = [u for u in n.users if u not in region.nodes and u not in disposable]
         if n is region.out or not outside:
             continue
         name = "weights" if n is weights else "ids" if n is region.ids else None
@@ -56,7 +87,7 @@ def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs
     if leaks:
         leak = flow.sorted(leaks)[-1]
         raise NoMatch(f"expert intermediate {leak.name} is used outside the block")
-    return Plan(keep=keep, exports=exports, router_is_logits=region.logits in keep)
+    return Plan(keep=keep, exports=exports, router_is_logits=region.logits in keep, disposable=disposable)
 
 
 def _set_meta(node: fx.Node, fake_mode, like: fx.Node):
@@ -101,6 +132,8 @@ def emit(gm: fx.GraphModule, flow: Dataflow, region: Region, plan: Plan, operand
     for node in created:
         _set_meta(node, fake_mode, like)
 
+    for n in reversed(flow.sorted(plan.disposable)):
+        graph.erase_node(n)
     doomed = region.nodes - plan.keep
     region.out.replace_all_uses_with(result, delete_user_cb=lambda u: u not in doomed)
     for name, index in (("weights", 1), ("ids", 2)):
