@@ -102,3 +102,88 @@ class StackedGatherMoE(nn.Module):
         y = torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
         y = y.view(T, self.top_k, H) * w.unsqueeze(-1).to(y.dtype)
         return y.sum(dim=1)
+
+
+class WeightOnInputMoE(StackedGatherMoE):
+    """Near miss: routing weights scale the expert input (Llama4 style), not the expert output."""
+
+    def forward(self, x):
+        T, H = x.shape
+        scores = F.linear(x, self.router).float().sigmoid()
+        ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        w = w / w.sum(dim=-1, keepdim=True) * self.scale
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(self.top_k, dim=0) * w.reshape(-1, 1)
+        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return y.view(T, self.top_k, H).sum(dim=1)
+
+
+class SquaredWeightsMoE(StackedGatherMoE):
+    """Near miss: the routing weight is squared before it is applied."""
+
+    def forward(self, x):
+        T, H = x.shape
+        scores = F.linear(x, self.router).float().sigmoid()
+        ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        w = w / w.sum(dim=-1, keepdim=True) * self.scale
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(self.top_k, dim=0)
+        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = y.view(T, self.top_k, H) * (w * w).unsqueeze(-1)
+        return y.sum(dim=1)
+
+
+class SharedExpertMoE(nn.Module):
+    """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
+
+    def __init__(self, hidden=32, inter=16):
+        super().__init__()
+        self.routed = StackedGatherMoE(hidden, inter)
+        self.shared = SwiGLUExpert(hidden, inter)
+        self.shared_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x):
+        return self.routed(x) + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden=32, inter=64):
+        super().__init__()
+        self.mlp = SwiGLUExpert(hidden, inter)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+class TopKSampler(nn.Module):
+    """top-k over vocabulary logits for sampling: a topk that dispatches to nothing."""
+
+    def __init__(self, hidden=32, vocab=100):
+        super().__init__()
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        values, ids = self.head(x).topk(5, dim=-1)
+        return torch.softmax(values, dim=-1), ids
+
+
+class TopKTokenPruning(nn.Module):
+    """top-k keeps the most salient tokens, which an MLP then processes."""
+
+    def __init__(self, hidden=32, keep=4):
+        super().__init__()
+        self.score = nn.Linear(hidden, 1)
+        self.mlp = SwiGLUExpert(hidden, 2 * hidden)
+        self.keep = keep
+
+    def forward(self, x):  # x: [T, H]
+        s = self.score(x).squeeze(-1)
+        w, ids = s.topk(self.keep)
+        kept = x[ids]
+        return self.mlp(kept) * torch.sigmoid(w)[:, None]

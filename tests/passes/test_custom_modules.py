@@ -1,0 +1,142 @@
+"""fuse_moe on from-scratch MoE modules (loops over nn.ModuleList, stacked weights + bmm) and near misses."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from mok_compile.passes import MoeFusionError, fuse_moe
+
+from . import models
+from .helpers import capture, count_fused, ops_in, run
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def capture_dynamic_output_shapes():
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        yield
+
+
+def _fuse(module, x, **kwargs):
+    torch.manual_seed(0)
+    (graph,), eager = capture(module.eval(), x)
+    gm, example = graph
+    report = fuse_moe(gm, example, **kwargs)
+    return gm, example, report, eager
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+@pytest.mark.usefixtures("capture_dynamic_output_shapes")
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_index_add_module_loop(renormalize):
+    torch.manual_seed(0)
+    module = models.IndexAddLoopMoE(renormalize=renormalize)
+    gm, example, report, eager = _fuse(module, torch.randn(2, 5, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "module_loop")], str(report)
+    assert report.blocks[0].routing.renormalize is renormalize
+    assert report.blocks[0].routing.router_is_logits  # the module returns its router logits
+    # Nothing data-dependent is left: no one_hot, no where/nonzero, no index_add_.
+    assert not any(op in ("where", "index_add_", "one_hot") or "one_hot" in op for op in ops_in(gm)), gm.code
+    out, logits = run(gm, example)
+    torch.testing.assert_close(out, eager[0], **TOL)
+    torch.testing.assert_close(logits, eager[1], **TOL)
+
+
+def test_dense_mask_loop():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.DenseMaskMoE(), torch.randn(2, 5, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "module_loop")], str(report)
+    spec = report.blocks[0].routing
+    assert spec.routing == "topk_softmax" and not spec.router_is_logits
+    assert count_fused(gm) == 1 and sum(op == "linear" or op.endswith("linear") for op in ops_in(gm)) == 0
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_dense_mask_loop_with_relu_experts_and_biases():
+    torch.manual_seed(0)
+    module = models.DenseMaskMoE(expert_cls=models.ReluExpert)
+    gm, example, report, eager = _fuse(module, torch.randn(10, 32))
+    assert report.blocks[0].fused, str(report)
+    assert report.blocks[0].experts.activation == "relu" and not report.blocks[0].experts.gated
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_stacked_gather_bmm_sigmoid_routing():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.StackedGatherMoE(), torch.randn(10, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "batched_mm")], str(report)
+    spec = report.blocks[0].routing
+    assert (spec.routing, spec.renormalize, spec.routed_scale) == ("sigmoid_grouped_topk", True, 1.5)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_shared_expert_stays_outside():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))
+    assert len(report.fused) == 1 and not report.rejected, str(report)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "shared" in n.name]
+    assert len(names) == 4  # three shared-expert weights and the shared gate, still used outside the op
+    assert sum("sigmoid" in op for op in ops_in(gm)) == 1
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_validate_false_gives_the_same_rewrite():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.StackedGatherMoE(), torch.randn(10, 32), validate=False)
+    assert len(report.fused) == 1
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+# ----------------------------------------------------------------------------- near misses
+
+
+def _assert_untouched(gm, example, report, eager, candidates):
+    assert not report.fused and count_fused(gm) == 0, str(report)
+    assert counters["mok"]["fused_moe"] == 0
+    assert counters["mok"]["rejected_moe"] == candidates == len(report.rejected)
+    got, want = run(gm, example), eager
+    for g, w in zip(got if isinstance(got, (tuple, list)) else [got], want if isinstance(want, tuple) else [want]):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("module,shape", [(models.DenseMLP(), (10, 32)), (models.TopKSampler(), (10, 32)),
+                                          (models.TopKTokenPruning(), (10, 32))],
+                         ids=["dense_mlp", "topk_sampling", "topk_token_pruning"])
+def test_not_an_moe(module, shape):
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(module, torch.randn(shape))
+    _assert_untouched(gm, example, report, eager, candidates=0)
+
+
+def test_tanh_experts_not_fused():
+    torch.manual_seed(0)
+    module = models.DenseMaskMoE(expert_cls=lambda h, i: models.SwiGLUExpert(h, i, act=torch.tanh))
+    gm, example, report, eager = _fuse(module, torch.randn(10, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "'tanh'" in report.rejected[0].reason
+
+
+def test_routing_weight_on_expert_input_not_fused():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.WeightOnInputMoE(), torch.randn(10, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "before the down projection" in report.rejected[0].reason
+
+
+def test_squared_routing_weight_not_fused():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.SquaredWeightsMoE(), torch.randn(10, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "routing weights go through 'mul'" in report.rejected[0].reason
+
+
+def test_strict_raises_naming_block_and_reason():
+    torch.manual_seed(0)
+    (graph,), _ = capture(models.SquaredWeightsMoE().eval(), torch.randn(10, 32))
+    with pytest.raises(MoeFusionError, match="was not fused: routing weights go through"):
+        fuse_moe(*graph, strict=True)
