@@ -99,6 +99,60 @@ def make_runners(family, block):
     return {"hf": hf, "hf+comp": compiled, "mok": mok}
 
 
+def graphed(step):
+    """`step` captured in a CUDA graph (the op has no host sync, so it captures), or None if capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+    except Exception as err:  # report, never hide: the row then shows nan
+        print(f"  CUDA graph capture failed: {type(err).__name__}: {err}", flush=True)
+        return None
+
+
+def profile(fn, x, params, label):
+    """Where the CPU and the GPU spend one mok fwd+bwd (torch.profiler, 5 steps after warm-up)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    step = fwd_bwd(fn, x, params)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        step()
+    cpu_ms = (time.perf_counter() - t0) / 20 * 1e3  # host time per step (launches are asynchronous)
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    print(f"--- {label}: host time per fwd+bwd step {cpu_ms:.3f} ms", flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(10):
+        step()
+    cp.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(15)
+    print(buf.getvalue()[-4000:], flush=True)
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+    print(ka.table(sort_by="self_device_time_total", row_limit=18), flush=True)
+
+
 def fwd_bwd(fn, x, params):
     def step():
         for p in params:
@@ -118,8 +172,10 @@ def peak_bytes(step) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def run_shape(name, tokens, ceilings, log):
+def run_shape(name, tokens, ceilings, log, do_profile=False):
     family, sizes, overrides, default_tokens = SHAPES[name]
+    torch._dynamo.reset()  # each shape compiles afresh; without this, Dynamo's recompile limit is hit and
+    # the "compiled" baseline silently runs eager
     H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
     block = build_block(family, sizes, overrides)
     runners = make_runners(family, block)
@@ -137,6 +193,8 @@ def run_shape(name, tokens, ceilings, log):
             ref = runners["hf"](x).float()
             got = runners["mok"](x).float()
             row["mok_vs_hf_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        if do_profile:
+            profile(runners["mok"], x.clone().requires_grad_(), params, f"{name} T={T}")
         for which, fn in runners.items():
             t0 = time.time()
             with torch.no_grad():
@@ -146,9 +204,18 @@ def run_shape(name, tokens, ceilings, log):
             step()  # compile / warm up
             row[f"{which}_fwd_bwd_ms"] = bench(step)
             row[f"{which}_fwd_bwd_peak_gb"] = peak_bytes(step) / 1e9
+            if which == "mok":  # GPU time alone: the same work replayed from a CUDA graph (no launch overhead)
+                with torch.no_grad():
+                    g_fwd = graphed(lambda: fn(x))
+                row["mok_graph_fwd_ms"] = bench(g_fwd) if g_fwd else float("nan")
+                g_fb = graphed(step)
+                row["mok_graph_fwd_bwd_ms"] = bench(g_fb) if g_fb else float("nan")
+                del g_fwd, g_fb
             log(f"  {name} T={T} {which}: fwd {row[f'{which}_fwd_ms']:.3f} ms, fwd+bwd "
                 f"{row[f'{which}_fwd_bwd_ms']:.3f} ms, peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB "
-                f"({time.time() - t0:.0f} s incl. compile)")
+                f"({time.time() - t0:.0f} s incl. compile)"
+                + (f"; CUDA graph: fwd {row['mok_graph_fwd_ms']:.3f}, fwd+bwd {row['mok_graph_fwd_bwd_ms']:.3f} ms"
+                   if which == "mok" else ""))
         rows.append(row)
     del block, runners
     torch.cuda.empty_cache()
@@ -158,8 +225,8 @@ def run_shape(name, tokens, ceilings, log):
 def table(rows, ceilings) -> str:
     lines = [f"ceilings: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s",
              "| shape | T | hf fwd | hf+comp fwd | mok fwd | x vs comp | floor/mok | hf f+b | hf+comp f+b | mok f+b "
-             "| x vs comp | floor/mok | peak GB hf / comp / mok | err vs hf |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| x vs comp | floor/mok | peak GB hf / comp / mok | err vs hf | mok graph fwd / f+b |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['T']} | {r['hf_fwd_ms']:.3f} | {r['hf+comp_fwd_ms']:.3f} | {r['mok_fwd_ms']:.3f} "
@@ -167,7 +234,7 @@ def table(rows, ceilings) -> str:
             f"| {r['hf_fwd_bwd_ms']:.3f} | {r['hf+comp_fwd_bwd_ms']:.3f} | {r['mok_fwd_bwd_ms']:.3f} "
             f"| {r['hf+comp_fwd_bwd_ms'] / r['mok_fwd_bwd_ms']:.2f} | {r['floor_fwd_bwd_ms'] / r['mok_fwd_bwd_ms']:.2f} "
             f"| {r['hf_fwd_bwd_peak_gb']:.2f} / {r['hf+comp_fwd_bwd_peak_gb']:.2f} / {r['mok_fwd_bwd_peak_gb']:.2f} "
-            f"| {r['mok_vs_hf_rel_err']:.1e} |")
+            f"| {r['mok_vs_hf_rel_err']:.1e} | {r['mok_graph_fwd_ms']:.3f} / {r['mok_graph_fwd_bwd_ms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -201,6 +268,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="", help="comma-separated T values (default: per shape)")
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of mok fwd+bwd")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "moe_layer.log"), "a")
@@ -210,12 +278,15 @@ def main():
         log_file.write(msg + "\n")
 
     torch.manual_seed(0)
+    for knob in ("recompile_limit", "cache_size_limit"):  # one compile per (shape, T, grad mode)
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
     ceilings = measure_ceilings()
     log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {ceilings}")
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rows = []
     for name in args.shapes.split(","):
-        rows += run_shape(name, tokens, ceilings, log)
+        rows += run_shape(name, tokens, ceilings, log, args.profile)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
     plot(rows, os.path.join(args.out, "speedup.png"))
