@@ -208,7 +208,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
         report.blocks.append(block)
-    report.blocks.extend(find_eager_fragments(gm))
+    report.blocks.extend(find_eager_fragments(gm, {topk for topk, _ in anchors}))
     for block in report.blocks:
         if block.fused:
             counters["mok"]["fused_moe"] += 1
