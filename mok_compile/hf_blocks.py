@@ -93,9 +93,7 @@ def init_moe_weights_(module: torch.nn.Module, std: float = 0.02, seed: int = 0)
         for name, p in list(module.named_parameters()) + list(module.named_buffers()):
             if not p.is_floating_point():
                 continue
-            scale = 1.0 if name.endswith("e_score_correction_bias") else std
-            if name.endswith("e_score_correction_bias"):
-                scale = 0.1
+            scale = 0.1 if name.endswith("e_score_correction_bias") else std
             p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.dtype))
     return module
 

@@ -50,6 +50,8 @@ _CLAMPED = dict(activation="clamped_silu", limit=0.75)
 ROUTING_CASES = [
     Case("softmax_topk", _r()),
     Case("softmax_topk_renorm_scale_wdtype", _r(renormalize=True, routed_scale=2.5, weights_fp32=False)),
+    # DeepSeek's eps (1e-20) is invisible in any test; a large one checks where it enters, forward and backward.
+    Case("softmax_topk_renorm_visible_eps", _r(renormalize=True, renorm_eps=0.25)),
     Case("softmax_topk_bf16_softmax", _r(softmax_fp32=False, weights_fp32=False), dtype=torch.bfloat16),
     Case("softmax_topk_router_fp32", _r(router_fp32=True, renormalize=True), dtype=torch.bfloat16,
          router_dtype=torch.float32),

@@ -105,6 +105,39 @@ def test_gradcheck_fp64(case):
     assert torch.autograd.gradcheck(op, args, eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
 
 
+@pytest.mark.parametrize("weights_fp32", [True, False], ids=["w_fp32", "w_bf16"])
+@pytest.mark.parametrize("softmax_fp32", [True, False], ids=["softmax_fp32", "softmax_bf16"])
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax"])
+def test_routing_precision_flags_bf16(routing, softmax_fp32, weights_fp32):
+    """From given bf16 logits, topk_weights are exactly HF's, each step in the precision its flag names.
+
+    Bitwise, because these flags change results by one bf16 rounding; the logits are an input, so no
+    matmul (whose summation order a kernel may choose) is involved.
+    """
+    case = CASES_BY_NAME["softmax_topk_logits"]
+    args, _ = make_args(case, T=64, dtype=torch.bfloat16)
+    kw = op_kwargs(RoutingSpec(top_k=2, routing=routing, router_is_logits=True, renormalize=routing == "softmax_topk",
+                               softmax_fp32=softmax_fp32, weights_fp32=weights_fp32), ExpertSpec())
+    logits = args[1]
+
+    def expected(softmax_fp32):
+        if routing == "softmax_topk":
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32 if softmax_fp32 else torch.bfloat16)
+            w, ids = torch.topk(probs, 2, dim=-1)
+            w = w / w.sum(dim=-1, keepdim=True)
+        else:
+            top, ids = torch.topk(logits.float() if softmax_fp32 else logits, 2, dim=-1)
+            w = torch.softmax(top, dim=-1)
+        return w.to(torch.float32 if weights_fp32 else torch.bfloat16), ids
+
+    _, w, ids = fused_moe(*args, **kw)
+    want_w, want_ids = expected(softmax_fp32)
+    assert torch.equal(ids, want_ids)
+    assert w.dtype == want_w.dtype and torch.equal(w, want_w)
+    if routing == "softmax_topk":  # the flag is observable here: the renormalisation rounds differently
+        assert not torch.equal(expected(not softmax_fp32)[0], want_w)
+
+
 # ----------------------------------------------------------------------------- fake kernel, dynamic T
 
 

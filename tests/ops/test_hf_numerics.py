@@ -1,0 +1,204 @@
+"""`mok::fused_moe` against the real Hugging Face MoE blocks (transformers' own modules).
+
+Each HF block is rebuilt with its routed experts replaced by the op, the way the
+compiler pass will do it: shared experts (Qwen2-MoE's gated one, DeepSeek-V3's
+ungated one) stay HF modules added outside the op. Weights use std 0.2 (not HF's
+0.02) so router gradients are real signal, not 1e-7 noise; GPT-OSS's gate_up uses
+std 1 so both of its clamps are active.
+
+Tolerances (what each test asserts):
+- fp32: output within 1e-5 relative (of the block's largest output), every gradient
+  within 1e-5 relative Frobenius norm.
+- bf16 output: no further from HF's default `grouped_mm` path than HF's own `eager`
+  path is, with a floor of one bf16 rounding (2^-8) of the largest output.
+- bf16 gradients: measured against fp64 truth (the HF block in fp64 on the same
+  bf16 values, on tokens whose routing fp64 and bf16 agree on): the op's relative
+  error is at most 1.5x HF's own bf16 autograd error, and below 1e-2.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+
+from mok_compile import hf_blocks  # noqa: E402
+
+FAMILIES = hf_blocks.FAMILIES
+H = hf_blocks.BlockSizes().hidden
+T = 48
+
+
+def _set_experts_impl(block, impl):
+    block.experts.config._experts_implementation = impl
+    return block
+
+
+def _block(family, dtype=torch.float32, impl="grouped_mm"):
+    """An HF block with large enough random weights, converted the way HF loads a bf16 model."""
+    block = hf_blocks.make_block(family, experts_implementation=impl)
+    hf_blocks.init_moe_weights_(block, std=0.2, seed=1)
+    if family == "gpt_oss":
+        with torch.no_grad():
+            block.experts.gate_up_proj.mul_(5.0)
+    block = block.to(dtype)
+    if family == "deepseek_v3":  # HF keeps this router (and its selection bias) in fp32
+        block.gate.float()
+    return block
+
+
+def _router(family, block):
+    return block.router if family in ("gpt_oss", "granitemoe") else block.gate
+
+
+def _hf(family, block, x):
+    """The HF block's outputs that a model uses: hidden states, and GPT-OSS's router scores."""
+    out = block(x)
+    return tuple(out) if isinstance(out, tuple) else (out,)
+
+
+def _op_call(family, block, x2, router_is_logits=False):
+    """`mok::fused_moe` on the block's router and routed experts -> (out, topk_weights, topk_ids)."""
+    tensors, kw = hf_blocks.op_arguments(family, block)
+    if router_is_logits:  # logits computed outside (e.g. kept for the aux loss) and passed in
+        logits = _router(family, block)(x2)[0]
+        tensors = (logits, None) + tensors[2:]
+        kw = {**kw, "router_is_logits": True}
+    return torch.ops.mok.fused_moe(x2, *tensors, **kw)
+
+
+def _with_op(family, block, x, router_is_logits=False):
+    """The block's outputs with its router + routed experts replaced by the op; shared experts added outside."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out, weights, _ = _op_call(family, block, x2, router_is_logits)
+    if family == "qwen2_moe":
+        out = out + F.sigmoid(block.shared_expert_gate(x2)) * block.shared_expert(x2)
+    elif family == "deepseek_v3":
+        out = out + block.shared_experts(x2)
+    out = out.view(x.shape)
+    return (out, weights) if family == "gpt_oss" else (out,)
+
+
+def _check_routing(family, block, x, router_is_logits):
+    """Same experts as the HF router, and the same weights in the same dtype (sorted by expert id).
+
+    fp32 weights (Mixtral, DeepSeek-V3, fp32 models) agree to 1e-6; bf16 ones to one bf16 rounding.
+    """
+    with torch.no_grad():
+        _, hf_w, hf_ids = _router(family, block)(x.view(-1, H))
+        _, op_w, op_ids = _op_call(family, block, x.view(-1, H), router_is_logits)
+    hf_w, hf_ids = _sorted_routing(hf_w, hf_ids)
+    op_w, op_ids = _sorted_routing(op_w, op_ids)
+    assert torch.equal(op_ids, hf_ids), "the op routes tokens to other experts than HF"
+    assert op_w.dtype == hf_w.dtype
+    atol = 1e-6 if op_w.dtype == torch.float32 else 2**-8 * max(1.0, hf_w.abs().max().item())
+    torch.testing.assert_close(op_w, hf_w, rtol=0, atol=atol)
+
+
+def _inputs(dtype, tokens=T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, tokens, H, generator=gen).to(dtype)
+    probes = [torch.randn(1, tokens, H, generator=gen, dtype=torch.float64),
+              torch.randn(tokens, hf_blocks.BlockSizes().top_k, generator=gen, dtype=torch.float64)]
+    return x, probes
+
+
+def _grads(outputs, probes, x, block):
+    """Gradients of a fixed random linear loss on every output w.r.t. the input and ALL parameters."""
+    loss = sum((o.double() * p.view(o.shape)).sum() for o, p in zip(outputs, probes))
+    names = ["hidden_states"] + [n for n, _ in block.named_parameters()]
+    return dict(zip(names, torch.autograd.grad(loss, [x, *block.parameters()])))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _sorted_routing(weights, ids):
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+# ----------------------------------------------------------------------------- fp32
+
+
+@pytest.mark.parametrize("router_form", ["weight", "logits"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_outputs_routing_and_grads(family, router_form):
+    block = _block(family)
+    x, probes = _inputs(torch.float32)
+    x.requires_grad_()
+    want = _hf(family, block, x)
+    got = _with_op(family, block, x, router_is_logits=router_form == "logits")
+    _check_routing(family, block, x, router_form == "logits")
+
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item())
+
+    grads_op, grads_hf = _grads(got, probes, x, block), _grads(want, probes, x, block)
+    for name, g_hf in grads_hf.items():
+        assert g_hf.norm() > 1e-3 * grads_hf["hidden_states"].norm(), f"grad {name} is negligible: test is vacuous"
+        assert _rel(grads_op[name], g_hf) <= 1e-5, f"grad {name}: rel err {_rel(grads_op[name], g_hf):.2e}"
+
+
+def test_gpt_oss_clamps_are_active():
+    """Guards the clamp-gradient coverage above: routed GPT-OSS pre-activations cross both limits."""
+    block = _block("gpt_oss")
+    x, _ = _inputs(torch.float32)
+    x2 = x.view(-1, H)
+    _, _, ids = block.router(x2)
+    e = block.experts
+    h = torch.einsum("th,tkhf->tkf", x2, e.gate_up_proj[ids]) + e.gate_up_proj_bias[ids]
+    gate, up = h[..., ::2], h[..., 1::2]
+    assert (gate > e.limit).any() and (up > e.limit).any() and (up < -e.limit).any()
+    assert (gate < e.limit).float().mean() > 0.5
+
+
+# ----------------------------------------------------------------------------- bf16
+
+
+@pytest.mark.parametrize("router_form", ["weight", "logits"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_outputs_within_hf_spread(family, router_form):
+    grouped = _block(family, torch.bfloat16, "grouped_mm")
+    eager = _set_experts_impl(copy.deepcopy(grouped), "eager")
+    x, _ = _inputs(torch.bfloat16)
+    with torch.no_grad():
+        want = _hf(family, grouped, x)
+        other = _hf(family, eager, x)
+        got = _with_op(family, grouped, x, router_is_logits=router_form == "logits")
+    _check_routing(family, grouped, x, router_form == "logits")
+
+    for g, w, o in zip(got, want, other):
+        assert g.dtype == w.dtype == torch.bfloat16
+        spread = (o.float() - w.float()).abs().max().item()
+        floor = 2**-8 * w.float().abs().max().item()
+        err = (g.float() - w.float()).abs().max().item()
+        assert err <= max(spread, floor), f"|op - HF grouped_mm| = {err} > HF eager spread {spread} / floor {floor}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_grads_as_accurate_as_hf(family):
+    """In bf16 the op's gradients are no worse than HF's own bf16 autograd, judged against fp64."""
+    grouped = _block(family, torch.bfloat16, "grouped_mm")
+    truth_block = _set_experts_impl(copy.deepcopy(grouped).double(), "eager")  # grouped_mm has no fp64
+    x, _ = _inputs(torch.bfloat16, tokens=64)
+    with torch.no_grad():  # keep tokens whose routing does not flip between bf16 and fp64 rounding
+        ids16 = _router(family, grouped)(x[0])[2].sort(-1)[0]
+        ids64 = _router(family, truth_block)(x[0].double())[2].sort(-1)[0]
+    keep = (ids16 == ids64).all(-1)
+    assert keep.sum() >= 48, f"only {keep.sum()} tokens route the same in bf16 and fp64"
+    x = x[:, keep].contiguous()
+    _, probes = _inputs(torch.bfloat16, tokens=x.shape[1], seed=1)
+
+    x16, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    truth = _grads(_hf(family, truth_block, x64), probes, x64, truth_block)
+    hf = _grads(_hf(family, grouped, x16), probes, x16, grouped)
+    op = _grads(_with_op(family, grouped, x16), probes, x16, grouped)
+    for name, g in truth.items():
+        err_hf, err_op = _rel(hf[name], g), _rel(op[name], g)
+        assert err_op <= 1.5 * err_hf, f"grad {name}: op error {err_op:.2e} vs HF bf16 error {err_hf:.2e}"
+        assert err_op <= 1e-2, f"grad {name}: op error {err_op:.2e}"
