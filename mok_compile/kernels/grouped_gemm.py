@@ -150,7 +150,7 @@ def _gate_up_bwd_kernel(
     g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
         dw_part[pid_n, r] = sum_n g2 * act(h)     partial d(topk_weight) over this I-tile
         dh = act'(h) * (w * g2)                    stored in h's column layout
-        act(h)                                     stored for dW2"""
+        w * act(h)                                 stored for dW2"""
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m = pid // num_n
@@ -187,20 +187,22 @@ def _gate_up_bwd_kernel(
     tl.store(dh_ptr + rows64 * stride_dhm + col_g[None, :], dg.to(DT), mask=om)
     if GATED:
         tl.store(dh_ptr + rows64 * stride_dhm + col_u[None, :], du.to(DT), mask=om)
-    tl.store(act_ptr + rows64 * stride_am + n[None, :], a.to(act_ptr.dtype.element_ty), mask=om)
+    # dW2 = sum_r (w go)[r]^T act[r]: store w * act here so the dW2 kernel's operands need no
+    # per-row scaling in registers (which made it slower than dW1 at half the work).
+    tl.store(act_ptr + rows64 * stride_am + n[None, :], (a * wv[:, None]).to(act_ptr.dtype.element_ty), mask=om)
 
 
 @triton.jit
 def _wgrad_kernel(
     p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, c_ptr, dbias_ptr, expert_count_ptr, expert_start_ptr,
     P, Q, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe,
-    TOPK: tl.constexpr, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, P_SCALE: tl.constexpr,
+    TOPK: tl.constexpr, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, BIAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """C[e, p, q] = sum over expert e's rows r (in sorted order) of P[r, p] * Q[r, q];
-    P/Q rows are gathered by token where flagged, P scaled by the pair's routing weight where flagged;
-    dbias[e, p] = sum_r P[r, p] from the programs of the first q tile."""
+    P/Q rows are gathered by token where flagged; dbias[e, p] = sum_r s_r P[r, p] (s_r the pair's
+    routing weight if BIAS_SCALE, else 1), stored by the programs of the first q tile."""
     pid = tl.program_id(0)
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -231,12 +233,10 @@ def _wgrad_kernel(
             qrow = tok
         pt = tl.load(p_ptr + prow[None, :] * stride_pm + pc[:, None], mask=pmask[:, None] & rmask[None, :],
                      other=0.0)  # [BLOCK_P, BLOCK_R]
-        if P_SCALE:
-            pf = pt.to(tl.float32) * tl.load(scale_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[None, :]
-            pt = pf.to(DT)
-        else:
-            pf = pt.to(tl.float32)
         if HAS_BIAS:  # every program sums (no runtime `if` inside the pipelined loop, see module doc)
+            pf = pt.to(tl.float32)
+            if BIAS_SCALE:
+                pf = pf * tl.load(scale_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[None, :]
             bacc += tl.sum(pf, axis=1)
         qt = tl.load(q_ptr + qrow[:, None] * stride_qm + qc[None, :], mask=rmask[:, None] & qmask[None, :],
                      other=0.0)  # [BLOCK_R, BLOCK_Q]

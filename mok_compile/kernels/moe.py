@@ -17,10 +17,10 @@ beyond the inputs):
     logits recomputed, count, scan, scatter
     g2          g2[r] = go[tok(r)] @ W2[e]^T                (gathered GEMM)
     gate_up_bwd h = x @ W1 recomputed; epilogue: dh, act(h), partial d(weights) per I-tile
-    wgrad x2    dW2[e] = sum_r (w go)[r]^T act[r];  dW1[e] = sum_r dh[r]^T x[r]  (+ bias grads)
+    wgrad x2    dW2[e] = sum_r go[r]^T (w act)[r];  dW1[e] = sum_r dh[r]^T x[r]  (+ bias grads)
     dgrad       dxp[r] = dh[r] @ W1[e]
     route_bwd   d(logits) from d(weights)
-    dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, fp32), combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
+    dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype), combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_p
         p, q, disp.sorted_pair, scale if scale is not None else p, out, dbias if dbias is not None else out,
         disp.expert_count, disp.expert_start, P, Q, p.stride(0), q.stride(0), out.stride(0), strides_pq[0],
         strides_pq[1], dbias.stride(0) if dbias is not None else 0,
-        TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, P_SCALE=scale is not None,
+        TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, BIAS_SCALE=scale is not None,
         HAS_BIAS=dbias is not None, PRECISION=precision, **cfg,
     )
 
@@ -173,13 +173,13 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     n_parts = triton.cdiv(I, cfg["BLOCK_N"])
     dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=x.device)
     dh = torch.empty((TK, up_out * I), dtype=x.dtype, device=x.device)
-    act = torch.empty((TK, I), dtype=x.dtype, device=x.device)
+    act_w = torch.empty((TK, I), dtype=x.dtype, device=x.device)  # w * act(h), per pair row
     grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
     _gate_up_bwd_kernel[grid](
-        x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act,
+        x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act_w,
         dw_parts, disp.expert_count, disp.expert_start, I, H, E, TK, x.stride(0), gate_up_proj.stride(0), w1_k,
         w1_n, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
-        act.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
+        act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
         TOPK=K, GATED=gated, ACT=activation_code(kw["activation"], gated), HAS_BIAS=gate_up_bias is not None,
         PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg,
     )
@@ -189,7 +189,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
     d_down = torch.empty_like(down_proj)
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
-    _wgrad(go, act, disp, w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True, q_gather=False,
+    _wgrad(go, act_w, disp, w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True, q_gather=False,
            strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
     d_gu = torch.empty_like(gate_up_proj)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
@@ -216,8 +216,11 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     if kw["router_is_logits"]:
         d_router, d_router_bias, dx_router = dl.to(router.dtype), None, None
     else:
-        d_router = (dl.t() @ x.float()).to(router.dtype)
+        # In the router's own dtype (bf16 for most models, as HF's autograd does it; fp32 for DeepSeek's
+        # fp32 router): fp32 operands here would run cuBLAS's SIMT fp32 path, slower than the rest.
+        rdt = router.dtype
+        d_router = (dl.to(rdt).t() @ x.to(rdt)).to(rdt)
         d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
-        dx_router = dl @ router.float()
+        dx_router = dl.to(rdt) @ router
     d_x = combine(dxp, disp.pair_pos, None, dx_router, T, K, x.dtype)
     return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias
