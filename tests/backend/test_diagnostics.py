@@ -67,16 +67,15 @@ def test_eager_fragments_warn_once_and_keep_numerics():
     ours = [w for w in caught if "experts_implementation='eager'" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in ours]
     message = str(ours[0].message)
-    assert "layers." in message and 'set_experts_implementation("grouped_mm")' in message
+    assert "MoE block " in message and 'set_experts_implementation("grouped_mm")' in message
     assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] > 0
     assert_close_rel(got, want, 1e-6, "logits")
 
 
 def test_strict_raises_on_a_block_it_cannot_fuse():
     model = eager_experts_model()
-    with pytest.raises(Exception, match="layers") as err:
+    with pytest.raises(Exception, match="MoeFusionError: MoE block .* was not fused"):
         forward(model, token_ids(), backend="mok", options={**AOT, "strict": True})
-    assert "MoeFusionError" in repr(err.value) or "MoeFusionError" in str(err.value)
 
 
 @pytest.mark.parametrize("validate", [True, False])

@@ -6,7 +6,8 @@ from torch._dynamo.utils import counters
 
 from .helpers import NUM_LAYERS, assert_close_rel, tiny_model, token_ids
 
-SHAPES = [(2, 16), (3, 16), (2, 24), (4, 40), (1, 7)]
+# static first, then batch and sequence both change (one dynamic graph), then more sizes and batch 1 (decode)
+SHAPES = [(2, 16), (3, 24), (5, 40), (1, 7)]
 
 
 def compiles_and_fusions(model, backend, options=None):
@@ -22,9 +23,8 @@ def compiles_and_fusions(model, backend, options=None):
     return counters["stats"]["unique_graphs"], counters["mok"]["fused_moe"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_no_extra_recompiles(family):
-    model = tiny_model(family)
+def test_no_extra_recompiles():
+    model = tiny_model("qwen3_moe")
     plain_graphs, _ = compiles_and_fusions(model, "aot_eager")
     mok_graphs, fused = compiles_and_fusions(model, "mok", {"compiler": "aot_eager"})
     assert mok_graphs == plain_graphs, (mok_graphs, plain_graphs)
