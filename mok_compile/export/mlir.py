@@ -23,7 +23,9 @@ only when `export_mlir` runs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 import logging
 import os
 import tempfile
@@ -125,11 +127,12 @@ def export_mlir(model: torch.nn.Module, *example_inputs, output_type: str = "tor
     if not callable(model):
         raise TypeError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
 
-    gm, report = _capture_and_fuse(model, example_inputs, dynamic_shapes, fuse=fuse, strict=strict)
-    if decompose:
-        decompose_fused_moe(gm, experts_form)
-    program = torch.export.export(gm, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
-    program = program.run_decompositions(get_decomposition_table())
+    with torch.no_grad():  # an inference export: no autograd bookkeeping in the graphs
+        gm, report = _capture_and_fuse(model, example_inputs, dynamic_shapes, fuse=fuse, strict=strict)
+        if decompose:
+            decompose_fused_moe(gm, experts_form)
+        program = torch.export.export(gm, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
+        program = program.run_decompositions(get_decomposition_table())
     _sort_topk(program)
     fused = sum(1 for n in program.graph.nodes if is_fused_moe(n))
     if fused and output not in _KEEPS_CUSTOM_OPS:
@@ -137,7 +140,7 @@ def export_mlir(model: torch.nn.Module, *example_inputs, output_type: str = "tor
                          "pass decompose=True (or None) to export it as standard aten ops")
 
     # Decompositions already ran above; an empty table keeps the importer from running its own again.
-    module = torch_mlir_fx.export_and_import(program, output_type="raw", decomposition_table={},
+    module = torch_mlir_fx.export_and_import(_graph_copy(program), output_type="raw", decomposition_table={},
                                              func_name=func_name)
     if output != "raw":
         _lower(module, output)
@@ -162,6 +165,17 @@ def _capture_and_fuse(model, example_inputs, dynamic_shapes, *, fuse: bool, stri
         if not block.fused:
             log.info("mok export: MoE block %s left unfused: %s", block.name, block.reason)
     return gm, report
+
+
+def _graph_copy(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of `program` with its own graph but the same weight tensors.
+
+    torch-mlir's frozen import rewrites the program's graph in place (weight
+    placeholders become literals), which would leave `MlirExport.program`
+    unrunnable; copying the weights too would double the memory of a large model.
+    """
+    shared = itertools.chain(program.state_dict.values(), program.constants.values())
+    return copy.deepcopy(program, memo={id(t): t for t in shared})
 
 
 def _sort_topk(program: torch.export.ExportedProgram) -> None:
