@@ -60,7 +60,8 @@ class RefBackendFunction:
 
         run_pipeline_with_repro_report(module, _LOWERING, "Lowering linalg-on-tensors to LLVM (RefBackend)")
         self._func_name = func_name
-        self._engine = ExecutionEngine(module, opt_level=2)
+        # opt_level=0: LLVM's optimiser takes ~10 s of JIT time on a tiny 2-layer model, running takes ms.
+        self._engine = ExecutionEngine(module, opt_level=0)
         self._result = None
         self._callbacks = []  # the ctypes callbacks must outlive the engine
         for name in self._return_functions(module):
