@@ -101,6 +101,10 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         elif kinds == Counter(clamp=2, mul=3, sigmoid=1, add=1):
             act = "clamped_silu"
             clamps = [n for n in between if op_name(n) == "clamp"]
+            if any(isinstance(a, fx.Node) for c in clamps for a in (arg(c, 1, "min"), arg(c, 2, "max"))):
+                raise NoMatch("the clamp limit of the clamped SwiGLU is a runtime value (Dynamo traced the float "
+                              "attribute as an input, e.g. under dynamic=True); the op needs it as a constant: set "
+                              "torch._dynamo.config.specialize_float = True")
             maxes = {arg(c, 2, "max") for c in clamps}
             mins = {arg(c, 1, "min") for c in clamps}
             if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
@@ -142,6 +146,17 @@ def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, e
         for n in w_side & wf:
             if op_name(n) not in LAYOUT_OPS_NAMES and op_name(n) not in selection_ops:
                 raise NoMatch(f"routing weights go through {op_name(n)!r} ({n.name}) before they are applied")
+
+
+def region_form(region: Region) -> str:
+    """Name of the experts form, for reports: grouped_mm, grouped_mm_fallback, batched_mm, index_add, module_loop."""
+    matmuls = [n for n in region.nodes if op_name(n) in MATMUL_OPS and n is not region.router_linear]
+    weights3d = [n for n in region.inputs if (m := tensor_meta(n)) is not None and m.dim() == 3]
+    if matmuls and not weights3d:
+        return "module_loop"
+    if any(op_name(n) == "index_add" for n in region.nodes) and weights3d:
+        return "index_add"
+    return _form(matmuls) if matmuls else "unknown"
 
 
 def _form(matmuls: list[fx.Node]) -> str:
@@ -204,7 +219,7 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
     check_weight_application(flow, region, router.weights, expert_path, [m2])
     specs = [ExpertSpec(activation=act, gated=gated, interleaved=interleaved, transposed=t, alpha=alpha, limit=limit)
              for t, _ in layouts]
-    return ExpertsMatch(form=_form(matmuls), gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
+    return ExpertsMatch(form=region_form(region), gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
                         down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs)
 
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
 
 from .dataflow import Dataflow
-from .experts import ExpertsMatch, Stack, match_experts
+from .experts import ExpertsMatch, Stack, match_experts, region_form
 from .op_names import tensor_meta
 from .region import NoMatch, Region, find_region, selection_topks
 from .rewrite import emit, plan_rewrite
@@ -150,6 +150,7 @@ def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport) -> None:
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
     report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
+    report.form = region_form(region)
     router = match_router(region)
     report.routing = router.spec
     experts = match_experts(flow, region, router)
@@ -202,13 +203,14 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     for topk, ids in anchors:
         if getattr(topk, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
-        block = BlockReport(name=topk.name, fused=False, reason="", form="unknown")
+        block = BlockReport(name=_module_path(topk) or topk.name, fused=False, reason="", form="unknown")
         try:
             _fuse_block(gm, topk, ids, validate, block)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
+            block.form = err.form or block.form
         report.blocks.append(block)
-    report.blocks.extend(find_eager_fragments(gm, {topk for topk, _ in anchors}))
+    report.blocks.extend(find_eager_fragments(gm))
     for block in report.blocks:
         if block.fused:
             counters["mok"]["fused_moe"] += 1

@@ -29,11 +29,15 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .dataflow import Dataflow
-from .op_names import CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, VIEW_OPS, arg, meta_value, op_name, tensor_meta
+from .op_names import CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, meta_value, op_name, tensor_meta
 
 
 class NoMatch(Exception):
     """A candidate block that is not (provably) a fusable MoE; the message is the report's reason."""
+
+    def __init__(self, reason: str, form: str | None = None):
+        super().__init__(reason)
+        self.form = form
 
 
 # Every op a fusable MoE block may contain; anything else in a candidate region rejects it.
@@ -127,6 +131,9 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
         name = op_name(n)
         if n is not ids and name == "topk":
             continue
+        if name in MATMUL_OPS and any((m := tensor_meta(a)) is not None and m.dim() == 3 and _is_source(a)
+                                      for a in n.all_input_nodes):
+            return True  # a batched matmul over stacked expert weights
         if name in ("grouped_mm", "one_hot", "eq"):
             if name != "eq" or any(isinstance(a, int) for a in n.args):
                 return True
@@ -243,6 +250,11 @@ def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:
 def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node) -> Region:
     """The MoE block around one selection topk, or NoMatch with the reason."""
     router_linear, logits = find_router(topk)
+    for u in ids.users:
+        if op_name(u) == "scatter" and op_name(u.args[0]) in ("full_like", "full", "zeros_like", "zeros"):
+            raise NoMatch("dense routing (Llama4 style: the top-k scores are scattered into a [tokens, experts] "
+                          "matrix and every expert runs on score-weighted inputs) is not supported by the fused op",
+                          form="dense_bmm")
     lmeta = tensor_meta(logits)
     x = strip(router_linear.args[0], CAST_OPS)
     x_meta = tensor_meta(x)

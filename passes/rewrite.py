@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
 from .dataflow import Dataflow
 from .op_names import meta_value, op_name, tensor_meta
@@ -111,7 +110,8 @@ def _set_meta(node: fx.Node, fake_mode, like: fx.Node):
 def emit(gm: fx.GraphModule, flow: Dataflow, region: Region, plan: Plan, operands: list, kwargs: dict) -> fx.Node:
     """Insert the op before the region's output, rewire users, erase the dead region. Returns the op node."""
     graph = gm.graph
-    fake_mode = detect_fake_mode([tensor_meta(region.x)])
+    # The graph's own fake mode (not the ambient tracing context's, which can differ inside a backend).
+    fake_mode = getattr(tensor_meta(region.x), "fake_mode", None)
     like = region.out
     created = []
 

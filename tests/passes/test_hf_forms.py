@@ -138,3 +138,21 @@ def test_deepseek_v3_model_keeps_shared_experts_outside():
     shared = [n for n in gm.graph.nodes if "shared_experts" in n.name and n.op == "placeholder"]
     assert len(shared) == 6 and all(n.users for n in shared)
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_llama4_dense_routing_reported_not_fused(impl):
+    import transformers as tf
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    config = tf.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=1,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config._experts_implementation = impl
+    block = init_moe_weights_(Llama4TextMoe(config)).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [(b.fused, b.form) for b in report.blocks] == [(False, "dense_bmm")], str(report)
+    assert "Llama4" in report.blocks[0].reason and counters["mok"]["rejected_moe"] == 1
+    out = run(gm, example)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
