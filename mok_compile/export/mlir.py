@@ -19,6 +19,13 @@ Two forms of the MoE blocks come out:
 
 torch-mlir is optional (``pip install 'mok-compile[mlir]'``); it is imported
 only when `export_mlir` runs.
+
+Limits of torch-mlir itself (wheel 20261001), not of the op: bf16/fp16 weights
+need the ``ml_dtypes`` package to become MLIR literals; ``tosa`` and
+``stablehlo`` lowerings need static shapes; and the linalg lowering of
+``view([?, ?, H] -> [?, H])`` (any HF model with batch *and* sequence dynamic)
+assumes the second dim is 1, so numerics are only right with one of them
+dynamic. The ``raw`` and ``torch`` forms are correct with both.
 """
 
 from __future__ import annotations
