@@ -81,7 +81,8 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
         bias.stride(0) if bias is not None else 0, out.stride(0), col_mul, up_off,
         float(kw["alpha"]), float(kw["limit"]),
-        TOPK=disp.top_k, A_GATHER=gather, GATED=gated, ACT=act, HAS_BIAS=bias is not None, PRECISION=precision,
+        TOPK=disp.top_k, A_GATHER=gather, GATED=gated, INTERLEAVED=gated and col_mul == 2, ACT=act,
+        HAS_BIAS=bias is not None, PRECISION=precision,
         BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg,
     )
 
@@ -180,7 +181,8 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         dw_parts, disp.expert_count, disp.expert_start, I, H, E, TK, x.stride(0), gate_up_proj.stride(0), w1_k,
         w1_n, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
         act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
-        TOPK=K, GATED=gated, ACT=activation_code(kw["activation"], gated), HAS_BIAS=gate_up_bias is not None,
+        TOPK=K, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=activation_code(kw["activation"], gated),
+        HAS_BIAS=gate_up_bias is not None,
         PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg,
     )
     del g2

@@ -117,7 +117,7 @@ class _Problem:
             _gate_up_bwd_kernel[grid](
                 self.x, self.disp.sorted_pair, self.w.reshape(-1), self.w1, self.x, self.act, self.dh, self.act2,
                 parts, self.disp.expert_count, self.disp.expert_start, I, H, E, TK, H, self.w1.stride(0), w1k, w1n,
-                0, I, 2 * I, I, 1, I, 1.702, 7.0, TOPK=K, GATED=True, ACT=1, HAS_BIAS=False, PRECISION="ieee",
+                0, I, 2 * I, I, 1, I, 1.702, 7.0, TOPK=K, GATED=True, INTERLEAVED=False, ACT=1, HAS_BIAS=False, PRECISION="ieee",
                 BLOCK_E=triton.next_power_of_2(E), **cfg)
 
 
