@@ -13,6 +13,7 @@ the graph breaks Dynamo produced.
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import os
@@ -123,11 +124,8 @@ class ExplainReport:
 def describe_block(b) -> str:
     """One line: E, top-k, H, I, routing family, expert variant, dtype, form."""
 
-    def show(v):
-        return "?" if v is None else v
-
-    parts = [f"E={show(b.num_experts)}", f"top_k={show(b.top_k)}", f"H={show(b.hidden)}",
-             f"I={show(b.intermediate)}"]
+    sizes = (("E", b.num_experts), ("top_k", b.top_k), ("H", b.hidden), ("I", b.intermediate))
+    parts = [f"{name}={value}" for name, value in sizes if value is not None]  # fragments lack some
     if b.routing is not None:
         r = b.routing
         routing = r.routing
@@ -203,8 +201,9 @@ def explain(model, *example_inputs, validate: bool = True, **kwargs) -> ExplainR
     new_breaks = {r: n for r, n in new_breaks.items() if n > 0}
     # Every break counts; breaks with a graph behind them also say where in the user's code they happened.
     report.graph_break_count = max(sum(new_breaks.values()), len(located))
-    report.break_reasons = [_break_reason_line(r) for r in located]
+    lines = [_break_reason_line(r) for r in located]
     seen = {_short_reason(r.reason) for r in located}
-    report.break_reasons += [_short_reason(r) for r in new_breaks if _short_reason(r) not in seen]
+    lines += [_short_reason(r) for r in new_breaks if _short_reason(r) not in seen]
+    report.break_reasons = [line if n == 1 else f"{line} (x{n})" for line, n in collections.Counter(lines).items()]
     print(report)
     return report
