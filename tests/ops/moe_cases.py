@@ -135,10 +135,6 @@ ARG_NAMES = ("hidden_states", "router", "router_bias", "selection_bias", "gate_u
              "down_bias")
 
 
-def with_case(case: Case, **changes) -> Case:
-    return dataclasses.replace(case, **changes)
-
-
 # ----------------------------------------------------------------------------- dense oracle
 
 
