@@ -56,7 +56,9 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
         cfg = tf.DeepseekV3Config(intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=E,
                                   n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                                   norm_topk_prob=True, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
-                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **common)
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                  # MLA has as many key/value heads as query heads; fewer breaks dynamic shapes
+                                  **{**common, "num_key_value_heads": common["num_attention_heads"]})
     elif family == "gpt_oss":
         cfg = tf.GptOssConfig(intermediate_size=I, num_local_experts=E, head_dim=H // 4, sliding_window=64,
                               layer_types=["sliding_attention", "full_attention"][:num_layers] * max(1, num_layers // 2),

@@ -56,7 +56,7 @@ def _grouped_choice(choice, n_group, topk_group):
     T, E = choice.shape
     group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
     return choice.masked_fill(~score_mask.bool(), float("-inf"))
 
