@@ -487,10 +487,18 @@ BackwardResult fused_moe_backward(
   Tensor da = at::empty({N, inter}, acc_opts);
   Tensor dx_rows = at::empty({N, H}, acc_opts);
   Tensor dw_rows = at::empty({N}, acc_opts);
-  Tensor d_w1 = at::zeros(gate_up.sizes(), acc_opts);
-  Tensor d_w2 = at::zeros(down.sizes(), acc_opts);
-  Tensor d_b1 = gate_up_bias.has_value() ? at::zeros(gate_up_bias->sizes(), acc_opts) : Tensor();
-  Tensor d_b2 = down_bias.has_value() ? at::zeros(down_bias->sizes(), acc_opts) : Tensor();
+  // Weight gradients: experts with rows write theirs whole below; only the others are zeroed
+  // (a full memset of [E, 2I, H] costs as much as a GEMM at real sizes).
+  Tensor d_w1 = at::empty(gate_up.sizes(), acc_opts);
+  Tensor d_w2 = at::empty(down.sizes(), acc_opts);
+  Tensor d_b1 = gate_up_bias.has_value() ? at::empty(gate_up_bias->sizes(), acc_opts) : Tensor();
+  Tensor d_b2 = down_bias.has_value() ? at::empty(down_bias->sizes(), acc_opts) : Tensor();
+  for (int64_t e = 0; e < E; ++e) {
+    if (g.count(e) > 0) continue;
+    for (Tensor* t : {&d_w1, &d_w2, &d_b1, &d_b2}) {
+      if (t->defined()) t->select(0, e).zero_();
+    }
+  }
 
   // Recompute h = x @ W1' + b1 per expert.
   for_each_expert(g, H * up_out, [&](int64_t e) {
@@ -502,24 +510,27 @@ BackwardResult fused_moe_backward(
     if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e).to(acc));
   });
   Tensor a = activate(h, o).contiguous();
-  // y = a @ W2' + b2 (for d(routing weight)), dy = go * w, dW2, db2 and da per expert.
-  for_each_expert(g, 3 * inter * H, [&](int64_t e) {
+  // Per expert: g2 = go @ W2'^T, then
+  //   d(routing weight) = <go, a @ W2' + b2> = <g2, a> + <go, b2>  (no second forward GEMM),
+  //   da = w * g2,  dy = w * go,  dW2 from dy and a,  db2 = sum dy.
+  for_each_expert(g, 2 * inter * H, [&](int64_t e) {
     const int64_t s = g.start(e), n = g.count(e);
     Tensor w2 = expert_weight(down, e);
     Tensor a_e = a.narrow(0, s, n), go_e = gos.narrow(0, s, n), dy_e = dy.narrow(0, s, n);
-    Tensor y_e = at::mm(a_e, as_right_factor(w2, o.transposed));
-    if (down_bias.has_value()) y_e = y_e + down_bias->select(0, e).to(acc);
+    Tensor w_e = ws.narrow(0, s, n).unsqueeze(-1);
+    Tensor da_e = da.narrow(0, s, n);
+    at::mm_out(da_e, go_e, as_right_factor(w2, o.transposed).t());
     Tensor dw_e = dw_rows.narrow(0, s, n);
-    at::sum_out(dw_e, go_e * y_e, at::IntArrayRef{-1});
-    at::mul_out(dy_e, go_e, ws.narrow(0, s, n).unsqueeze(-1));
+    at::sum_out(dw_e, da_e * a_e, at::IntArrayRef{-1});
+    if (down_bias.has_value()) dw_e.add_(at::mv(go_e, down_bias->select(0, e).to(acc)));
+    da_e.mul_(w_e);
+    at::mul_out(dy_e, go_e, w_e);
     Tensor d_w2_e = d_w2.select(0, e);
     if (o.transposed) {
       at::mm_out(d_w2_e, a_e.t(), dy_e);
     } else {
       at::mm_out(d_w2_e, dy_e.t(), a_e);
     }
-    Tensor da_e = da.narrow(0, s, n);
-    at::mm_out(da_e, dy_e, as_right_factor(w2, o.transposed).t());
     if (d_b2.defined()) {
       Tensor d_b2_e = d_b2.select(0, e);
       at::sum_out(d_b2_e, dy_e, at::IntArrayRef{0});

@@ -84,6 +84,9 @@ def assert_close_rel(actual, expected, rel, what):
     assert err <= rel, f"{what}: relative error {err:.3g} > {rel:g}"
 
 
+# Allowed fp32 error (relative to the gradient's scale) beyond twice the reference's own, against fp64.
+FP32_CANCELLATION_NOISE = 2e-5
+
 GRAD_NAMES = ("hidden_states", "router", "router_bias", "gate_up_proj", "gate_up_bias", "down_proj", "down_bias")
 
 
@@ -111,14 +114,15 @@ def check_against_reference(tensors, kw, fwd_rel, bwd_rel, seed=1):
             err = rel_error(g, rg)
             if err <= bwd_rel:
                 continue
-            # Where a gradient comes out of cancellation (softmax/renormalisation backward on a
-            # single token) fp32 noise exceeds bwd_rel relative to that gradient's small scale. Then
-            # the kernel must be as close to the fp64 truth as the reference is.
+            # Gradients that come out of cancellation (the router's, through softmax or
+            # renormalisation) carry fp32 noise far above bwd_rel of their own small scale: the
+            # reference itself is up to 3.5e-5 off fp64 there (measured over this grid). Then the
+            # kernel must be about as close to the fp64 truth as the reference is.
             assert tensors[0].dtype == torch.float32, f"grad {name}: relative error {err:.3g} > {bwd_rel:g}"
             truth = reference.fused_moe_backward_reference(
                 *[a if a is None or j == 11 else a.double() for j, a in enumerate(args)], **kw)[i]
             err_kernel, err_ref = rel_error(g, truth), rel_error(rg, truth)
-            assert err_kernel <= 2 * err_ref + bwd_rel, (
+            assert err_kernel <= 2 * err_ref + FP32_CANCELLATION_NOISE, (
                 f"grad {name}: relative error {err:.3g} against the reference; against fp64 the kernel is off by "
                 f"{err_kernel:.3g}, the reference by {err_ref:.3g}")
 
