@@ -2,9 +2,9 @@
 
 Importing this package only registers thin CUDA entry points; Triton and the
 kernel modules are imported on the first CUDA call, so `import mok_compile`
-stays free of Triton. Where Triton cannot be imported, or for fp64 (Triton's
-fp64 dot is not worth a code path), the CUDA entry points run the reference
-with one warning.
+stays free of Triton. Where Triton cannot be imported, the CUDA entry points
+run the reference after one warning; fp64 inputs always run the reference
+(a Triton fp64 path is not worth its code).
 """
 
 from __future__ import annotations

@@ -29,6 +29,15 @@ VARIANTS = {
     "router_logits": (dict(router_is_logits=True, renormalize=True), ExpertSpec(), False, False, False),
 }
 
+# CPU-interpreter checks (variant, T, H, I, E, K, dtype): small odd sizes, T not a multiple of any block.
+INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
+INTERPRET_CASES += [
+    ("qwen3", 1, 24, 20, 6, 3, torch.float32),
+    ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
+    ("qwen3", 29, 40, 24, 8, 2, torch.float16),
+    ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),
+]
+
 
 def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0, logits=None):
     """(positional tensors, kwargs) of `mok.fused_moe` for `variant`, random (never zero) values.

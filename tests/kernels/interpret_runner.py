@@ -16,17 +16,7 @@ import torch  # noqa: E402
 
 from mok_compile.kernels import moe  # noqa: E402
 from mok_compile.ops import reference  # noqa: E402
-from tests.kernels.cases import VARIANTS, make_case, rel_err  # noqa: E402
-
-# (variant, T, H, I, E, K, dtype): small odd sizes; T not a multiple of any block.
-CASES = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
-CASES += [
-    ("qwen3", 1, 24, 20, 6, 3, torch.float32),
-    ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
-    ("qwen3", 29, 40, 24, 8, 2, torch.float16),
-    ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),
-]
-
+from tests.kernels.cases import INTERPRET_CASES, make_case, rel_err  # noqa: E402
 
 def check(variant, T, H, I, E, K, dtype):
     seed = int.from_bytes(os.urandom(2), "little")  # fresh inputs each run; printed to reproduce a failure
@@ -48,6 +38,6 @@ def check(variant, T, H, I, E, K, dtype):
 
 
 if __name__ == "__main__":
-    for case in CASES:
+    for case in INTERPRET_CASES:
         print(json.dumps(check(*case)), flush=True)
     sys.exit(0)

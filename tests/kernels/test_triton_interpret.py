@@ -26,9 +26,9 @@ def interpreter_results():
 
 
 def test_every_case_ran(interpreter_results):
-    from tests.kernels.interpret_runner import CASES
+    from tests.kernels.cases import INTERPRET_CASES
 
-    assert len(interpreter_results) == len(CASES)
+    assert len(interpreter_results) == len(INTERPRET_CASES)
 
 
 def test_forward_matches_reference(interpreter_results):
