@@ -5,6 +5,14 @@ compiled until first use). Optional dependencies (triton, torch-mlir,
 transformers) are imported only by the features that need them.
 """
 
+from pathlib import Path as _Path
+
+# `mok_compile.passes` lives in the top-level folder `passes/` (the layout the project asked for); an
+# install maps it into the package. Run from a plain checkout (PYTHONPATH=., as on the GPU machine),
+# nothing maps it, so the checkout's root joins the package's search path for that one folder.
+if (_Path(__file__).parent.parent / "passes" / "__init__.py").exists():
+    __path__.append(str(_Path(__file__).parent.parent))
+
 from .ops import ExpertSpec, RoutingSpec, fused_moe
 
 __all__ = ["ExpertSpec", "RoutingSpec", "fused_moe", "explain", "export_mlir"]
