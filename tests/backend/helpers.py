@@ -16,20 +16,18 @@ def tiny_model(family: str, dtype=torch.float32, **overrides):
     return make_causal_lm(family, num_layers=NUM_LAYERS, dtype=dtype, **overrides)
 
 
-def tiny_jetmoe(dtype=torch.float32):
-    """JetMoE: experts in the MLP *and* the attention (MoA); `expert_size.tolist()` breaks Dynamo's graph."""
+def tiny_llama4(dtype=torch.float32):
+    """Llama4 text model, every layer MoE: dense routing (sigmoid score on the input, every expert runs), which
+    the fused op does not implement, plus an ungated shared expert."""
     import transformers
 
-    cfg = transformers.JetMoeConfig(hidden_size=64, num_hidden_layers=NUM_LAYERS, num_key_value_heads=2, kv_channels=16,
-                                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, vocab_size=VOCAB,
-                                    max_position_embeddings=256)
+    cfg = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+        num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=1, moe_layers=list(range(NUM_LAYERS)),
+        no_rope_layers=[1] * NUM_LAYERS, attention_chunk_size=64)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.02)
-    return model.to(dtype).eval()
+    return transformers.Llama4ForCausalLM(cfg).to(dtype).eval()
 
 
 def token_ids(batch=2, seq=16, seed=1):
@@ -65,4 +63,4 @@ def assert_close_rel(actual, expected, tol, what=""):
     assert err <= tol, f"{what}: relative max error {err:.3g} > {tol:g}"
 
 
-__all__ = ["FAMILIES", "NUM_LAYERS", "tiny_model", "tiny_jetmoe", "token_ids", "forward", "rel_err", "assert_close_rel"]
+__all__ = ["FAMILIES", "NUM_LAYERS", "tiny_model", "tiny_llama4", "token_ids", "forward", "rel_err", "assert_close_rel"]

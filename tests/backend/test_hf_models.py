@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from .helpers import FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_jetmoe, tiny_model, token_ids
+from .helpers import FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
 AOT = {"compiler": "aot_eager"}
 TOL = {torch.float32: dict(logits=1e-5, grads=1e-4), torch.bfloat16: dict(logits=1e-2, grads=5e-2)}
@@ -52,14 +52,16 @@ def test_training_with_router_aux_loss(family):
     _check_step(model, torch.float32, train=True, aux_loss=True)
 
 
-def test_jetmoe_is_left_unfused_with_numerics_unchanged():
-    """JetMoE computes its expert sizes on the host (`.tolist()`): Dynamo breaks the graph inside every MoE,
-    so no fragment holds a whole block. Nothing may be fused, and the compiled model must still match eager."""
-    model = tiny_jetmoe()
+def test_llama4_is_reported_unfused_with_numerics_unchanged():
+    """Llama4's dense routing is outside the fused op: each MoE layer must be reported, left as it is, and the
+    compiled model must still train exactly like eager."""
+    model = tiny_llama4()
     ids = token_ids()
     want_logits, want_loss, want_grads = forward(model, ids, train=True)
     got_logits, got_loss, got_grads = forward(model, ids, backend="mok", train=True, options=AOT)
     assert counters["mok"]["fused_moe"] == 0, dict(counters["mok"])
+    assert counters["mok"]["rejected_moe"] == NUM_LAYERS, dict(counters["mok"])
     assert_close_rel(got_logits, want_logits, 1e-6, "logits")
+    assert_close_rel(got_loss, want_loss, 1e-6, "loss")
     for name, want in want_grads.items():
         assert_close_rel(got_grads[name], want, 1e-6, f"grad of {name}")
