@@ -43,6 +43,8 @@ def forward(model, ids, backend=None, train=False, options=None, aux_loss=False)
         out = fn(ids, labels=ids if train else None)
         if not train:
             return out.logits.detach(), None, {}
+        if aux_loss:
+            assert out.aux_loss is not None, "the model returned no router aux loss"
         loss = out.loss + (out.aux_loss if aux_loss else 0)
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

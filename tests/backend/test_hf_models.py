@@ -1,11 +1,11 @@
 """Whole tiny HF CausalLMs through `backend="mok"` (aot_eager inner compiler): every MoE layer fused,
 logits, loss and every parameter gradient equal to eager.
 
-Tolerances (max |mok - eager| / max |eager|, per tensor):
-- fp32: logits 1e-5, gradients 1e-4. The fused op changes only summation order.
-- bf16: logits 1e-2 (the op's forward reproduces HF bitwise; the rest of the graph runs the same aten ops),
-  gradients 5e-2: the op's backward computes in fp32 and rounds once, eager autograd rounds every bf16
-  intermediate, so the two differ by a few bf16 ulps of the largest gradient.
+Tolerances (max |mok - eager| / max |eager|, per tensor), with what was measured on torch 2.13 CPU:
+- fp32: logits 2e-6 (seen <= 2.7e-7), gradients 1e-5 (seen <= 6.9e-7). The fused op changes summation order only.
+- bf16: logits bitwise: the op's forward reproduces HF bitwise and the rest of the graph runs the same aten ops.
+  Gradients 3e-2 (seen 0.9e-2..1.8e-2): the op's backward computes in fp32 and rounds once, eager autograd
+  rounds every bf16 intermediate, so they differ by a few bf16 ulps of the largest gradient.
 """
 
 import pytest
@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from .helpers import FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
 AOT = {"compiler": "aot_eager"}
-TOL = {torch.float32: dict(logits=1e-5, grads=1e-4), torch.bfloat16: dict(logits=1e-2, grads=5e-2)}
+TOL = {torch.float32: dict(logits=2e-6, grads=1e-5), torch.bfloat16: dict(logits=0.0, grads=3e-2)}
 
 
 def _check_step(model, dtype, train, aux_loss=False):
