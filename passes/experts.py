@@ -31,7 +31,7 @@ from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
 from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, op_name, tensor_meta
-from .region import NoMatch, Region, same
+from .region import NoMatch, Region, is_id_mask_fill, same
 from .routing import RouterMatch
 
 
@@ -88,6 +88,8 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
             continue  # bias of the gate/up projection
         elif name in LAYOUT_OPS_NAMES:
             continue
+        elif is_id_mask_fill(n):
+            continue  # expert-parallel sentinel mask (transformers 5.17); the probe checks it changes nothing
         else:
             kinds[name] += 1
     gated = interleaved or chunked or len(first) == 2

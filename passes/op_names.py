@@ -22,7 +22,8 @@ _ALIASES = {
     "subtract": "sub", "_grouped_mm": "grouped_mm", "grouped_mm_fallback": "grouped_mm",
     "neg": "neg", "invert": "invert", "bitwise_not": "invert", "matmul": "matmul", "pow": "pow",
     "clip": "clamp", "clamp_max": "clamp", "clamp_min": "clamp_min", "swapaxes": "transpose",
-    "index_select": "index_select", "eq": "eq", "ne": "ne",
+    "index_select": "index_select", "eq": "eq", "ne": "ne", "greater_equal": "ge", "greater": "gt",
+    "less_equal": "le", "less": "lt", "not_equal": "ne",
 }
 _INPLACE_OPERATORS = {
     operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",

@@ -50,8 +50,34 @@ KNOWN_OPS = frozenset({
     "chunk", "split", "silu", "gelu", "gelu_tanh", "relu", "square", "pow", "clamp", "clamp_min", "invert",
     "bool", "setitem", "index_add", "index_select", "one_hot", "where", "eq", "ne", "any", "size", "sym_size",
     "stack", "cat", "scatter_add", "index_put", "long", "int", "nonzero", "select", "narrow",
-    "squeeze_", "getattr", "neg",
+    "squeeze_", "getattr", "neg", "ge", "gt", "le", "lt",
 })
+
+# Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.
+# transformers 5.17's expert-parallel sentinel mask ``expert_ids >= num_experts``; never as thresholds on
+# activations or weights, which a random probe could miss.
+ID_COMPARISONS = frozenset({"ge", "gt", "le", "lt", "eq", "ne"})
+
+
+def is_id_comparison(node: fx.Node) -> bool:
+    """``ids <op> c`` (or ``c <op> ids``) with `ids` an integer tensor and `c` a Python number."""
+    if op_name(node) not in ID_COMPARISONS or len(node.args) != 2 or node.kwargs:
+        return False
+    a, b = node.args
+    tensor, other = (a, b) if isinstance(a, fx.Node) else (b, a)
+    meta = tensor_meta(tensor)
+    return (meta is not None and not meta.is_floating_point() and not meta.is_complex() and meta.dtype != torch.bool
+            and isinstance(other, (int, float)) and not isinstance(other, bool))
+
+
+def is_id_mask_fill(node: fx.Node) -> bool:
+    """``t.masked_fill(mask, 0)`` with `mask` a view of an expert-id comparison (an expert-parallel sentinel mask:
+    a no-op for ids below the number of experts, which is all a top-k over the experts gives)."""
+    if op_name(node) != "masked_fill":
+        return False
+    mask, value = arg(node, 1, "mask"), arg(node, 2, "value")
+    return (isinstance(mask, fx.Node) and is_id_comparison(strip(mask, VIEW_OPS)) and isinstance(value, (int, float))
+            and not isinstance(value, bool) and value == 0)
 
 
 # Ops that make a fresh tensor whose values do not depend on their input (only its shape/dtype).
@@ -134,8 +160,10 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
         if name in MATMUL_OPS and any((m := tensor_meta(a)) is not None and m.dim() == 3 and _is_source(a)
                                       for a in n.all_input_nodes):
             return True  # a batched matmul over stacked expert weights
+        if n is not ids and _is_size(meta_value(n)):
+            continue  # a size of a value derived from the ids (e.g. Dynamo's check of bincount's length), not ids
         if name in ("grouped_mm", "one_hot", "eq"):
-            if name != "eq" or any(isinstance(a, int) for a in n.args):
+            if name != "eq" or (tensor_meta(n) is not None and any(isinstance(a, int) for a in n.args)):
                 return True
         if name in ("getitem", "index_select") and isinstance(n.args[0], fx.Node) and n.args[0] not in seen:
             base = tensor_meta(n.args[0])
@@ -210,6 +238,8 @@ def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
         name = op_name(n)
         if name not in KNOWN_OPS:
             raise NoMatch(f"op {name or n.op!r} ({n.name}) is not part of any supported MoE form")
+        if name in ID_COMPARISONS - {"eq", "ne"} and not is_id_comparison(n):
+            raise NoMatch(f"comparison {name!r} ({n.name}) is not a mask over expert ids")
     out_pos = flow.order[out]
     for target in list(nodes) + list(inputs):
         for w in flow.writers.get(target, ()):
@@ -247,6 +277,24 @@ def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:
     return True
 
 
+def _close_over_writes(flow: Dataflow, sliced: set[fx.Node], out: fx.Node, stop, clean: set[fx.Node]) -> set[fx.Node]:
+    """Add the in-place writes to block values that nothing reads afterwards (e.g. 5.17's
+    ``expert_ids_g.clamp_(max=E - 1)`` when there is no expert bias to gather), with what they read: they belong
+    to the block and go with it. Writes to the block's inputs are not added (`_check_region` rejects those)."""
+    out_pos = flow.order[out]
+    changed = True
+    while changed:
+        changed = False
+        for target in list(sliced):
+            if stop(target):
+                continue
+            for w in flow.writers.get(target, ()):
+                if w not in sliced and w in clean and flow.order[w] < out_pos:
+                    sliced |= flow.backward_slice([w], stop)
+                    changed = True
+    return sliced
+
+
 def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node) -> Region:
     """The MoE block around one selection topk, or NoMatch with the reason."""
     router_linear, logits = find_router(topk)
@@ -268,7 +316,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node)
     reasons = []
     for out in _candidate_outputs(flow, ids, clean, x_meta, root_meta)[:64]:
         stop = lambda n: _is_source(n) or n is root  # noqa: E731
-        sliced = flow.backward_slice([out], stop)
+        sliced = _close_over_writes(flow, flow.backward_slice([out], stop), out, stop, clean)
         inputs = {n for n in sliced if _is_source(n)} - {root}
         nodes = sliced - inputs - {root}
         if topk not in nodes or router_linear not in nodes:
