@@ -187,3 +187,60 @@ class TopKTokenPruning(nn.Module):
         w, ids = s.topk(self.keep)
         kept = x[ids]
         return self.mlp(kept) * torch.sigmoid(w)[:, None]
+
+
+class SentinelMaskMoE(nn.Module):
+    """Sorted dispatch that drops "sentinel" slots (expert id >= `drop_from`), the way expert-parallel code marks
+    tokens routed to another rank: a bool row mask, an in-place clamp of the sorted ids, an in-place zeroing of the
+    gathered inputs, and a zeroing of each projection's output. With `drop_from = experts` (the default) no id from
+    the top-k reaches it, so the block is an ordinary MoE.
+
+    matmul="grouped": one grouped matmul per projection over offsets (the clamp is then never read again);
+    matmul="gather": per-slot weights ``W[ids]`` and bmm (the clamped ids are read by the gathers).
+    """
+
+    def __init__(self, hidden=32, inter=16, experts=8, top_k=2, drop_from=None, matmul="gather"):
+        super().__init__()
+        self.top_k, self.experts, self.matmul = top_k, experts, matmul
+        self.drop_from = experts if drop_from is None else drop_from
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, 2 * inter, hidden) / hidden**0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, inter) / inter**0.5)
+
+    def dropped(self, slot_expert, slot_x):
+        return (slot_expert >= self.drop_from).unsqueeze(-1)
+
+    def project(self, w, rows, slot_expert, offsets):
+        if self.matmul == "grouped":
+            return torch._grouped_mm(rows, w.transpose(1, 2), offs=offsets)
+        return torch.bmm(w[slot_expert], rows.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, x):
+        T, H = x.shape
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        top_w, top_e = probs.topk(self.top_k, dim=-1)
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        slot_expert, slot_order = top_e.flatten().sort()
+        slot_x = x[slot_order // self.top_k]
+        slot_w = top_w.flatten()[slot_order]
+        offsets = None
+        if self.matmul == "grouped":
+            counts = torch.histc(slot_expert.float(), bins=self.experts, min=0, max=self.experts - 1)
+            offsets = counts.cumsum(0, dtype=torch.int32)
+        drop = self.dropped(slot_expert, slot_x)
+        slot_expert.clamp_(max=self.experts - 1)
+        slot_x.masked_fill_(drop, 0.0)
+        h = self.project(self.w_in, slot_x, slot_expert, offsets).masked_fill(drop, 0.0)
+        g, u = h.chunk(2, dim=-1)
+        y = self.project(self.w_out, F.silu(g) * u, slot_expert, offsets).masked_fill(drop, 0.0)
+        y = y * slot_w.unsqueeze(-1)
+        back = torch.empty_like(y)
+        back[slot_order] = y
+        return back.view(T, self.top_k, H).sum(dim=1)
+
+
+class ActivationMaskMoE(SentinelMaskMoE):
+    """Near miss: the rows are dropped by a threshold on the activations, not by their expert id."""
+
+    def dropped(self, slot_expert, slot_x):
+        return (slot_x > 2.5).any(dim=-1, keepdim=True)
