@@ -272,14 +272,16 @@ ExpertGroups group_by_expert(const Tensor& topk_ids, int64_t num_experts) {
   return g;
 }
 
-// Copy rows src[token_of_row[r]] (r in [begin, end)) to dst[r]; src and dst contiguous, same dtype.
-void gather_rows(const Tensor& src, const ExpertGroups& g, int64_t begin, int64_t end, Tensor& dst) {
+// The rows begin..end of the sorted order, gathered from src [T, H] into a new contiguous [end - begin, H].
+Tensor gather_rows(const Tensor& src, const ExpertGroups& g, int64_t begin, int64_t end) {
+  Tensor dst = at::empty({end - begin, src.size(1)}, src.options());
   const size_t row_bytes = static_cast<size_t>(src.size(1)) * src.element_size();
   const char* s = static_cast<const char*>(src.const_data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
   for (int64_t r = begin; r < end; ++r) {
-    std::memcpy(d + r * row_bytes, s + g.token_of_row[r] * row_bytes, row_bytes);
+    std::memcpy(d + (r - begin) * row_bytes, s + g.token_of_row[r] * row_bytes, row_bytes);
   }
+  return dst;
 }
 
 // Below this many multiply-adds per pass over the experts, one thread does it all:
@@ -395,29 +397,23 @@ void sum_rows_per_token(const Tensor& dx_rows, const ExpertGroups& g, Tensor& d_
 
 // ----------------------------------------------------------------------------- forward
 
+// Each expert's rows go through gather -> GEMM (+ bias) -> activation -> GEMM (+ bias) in one
+// pass, so its intermediate [n, 2I] activations stay in cache; the activation runs the
+// reference's ATen ops on the same per-expert blocks (same bits in bf16).
 Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids, const Tensor& gate_up,
                        const OptTensor& gate_up_bias, const Tensor& down, const OptTensor& down_bias,
                        const MoeOptions& o) {
   const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0);
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
+  const int64_t inter = o.transposed ? down.size(1) : down.size(2);
   const ExpertGroups g = group_by_expert(topk_ids, E);
-  const int64_t N = g.order.numel();
-  Tensor xs = at::empty({N, H}, x.options());
-  Tensor h = at::empty({N, up_out}, x.options());
-  Tensor ys = at::empty({N, H}, x.options());
-
-  for_each_expert(g, H * up_out, [&](int64_t e) {
+  Tensor ys = at::empty({g.order.numel(), H}, x.options());
+  for_each_expert(g, H * up_out + inter * H, [&](int64_t e) {
     const int64_t s = g.start(e), n = g.count(e);
-    gather_rows(x, g, s, s + n, xs);
-    Tensor h_e = h.narrow(0, s, n);
-    at::mm_out(h_e, xs.narrow(0, s, n), as_right_factor(gate_up.select(0, e), o.transposed));
+    Tensor h_e = at::mm(gather_rows(x, g, s, s + n), as_right_factor(gate_up.select(0, e), o.transposed));
     if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e));  // after the GEMM's rounding, like HF
-  });
-  Tensor a = activate(h, o).contiguous();
-  for_each_expert(g, a.size(1) * H, [&](int64_t e) {
-    const int64_t s = g.start(e), n = g.count(e);
     Tensor y_e = ys.narrow(0, s, n);
-    at::mm_out(y_e, a.narrow(0, s, n), as_right_factor(down.select(0, e), o.transposed));
+    at::mm_out(y_e, activate(h_e, o), as_right_factor(down.select(0, e), o.transposed));
     if (down_bias.has_value()) y_e.add_(down_bias->select(0, e));
   });
   return combine(ys, topk_weights, g, T, H);
@@ -459,11 +455,12 @@ BackwardResult fused_moe_backward(
                      gated, interleaved, transposed, alpha, limit};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
-  const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0), K = topk_ids.dim() == 2 ? topk_ids.size(1) : -1;
+  const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
   TORCH_CHECK(grad_out.sizes() == x.sizes(), "mok_cpu.fused_moe_backward: grad_out has shape ", grad_out.sizes(),
               ", expected ", x.sizes());
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "mok_cpu.fused_moe_backward: topk_ids has shape ",
               topk_ids.sizes(), ", expected [", T, ", top_k]");
+  const int64_t K = topk_ids.size(1);
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "mok_cpu.fused_moe_backward: topk_weights has shape ",
               topk_weights.sizes(), ", expected ", topk_ids.sizes());
   // fp32 accumulation for fp32/bf16/fp16, fp64 for fp64 (as the reference).
@@ -479,12 +476,7 @@ BackwardResult fused_moe_backward(
   const int64_t N = g.order.numel();
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
-  Tensor xs = at::empty({N, H}, acc_opts);
-  Tensor gos = at::empty({N, H}, acc_opts);
   Tensor ws = wts.index_select(0, g.order);  // routing weight of each sorted row
-  Tensor h = at::empty({N, up_out}, acc_opts);
-  Tensor dy = at::empty({N, H}, acc_opts);
-  Tensor da = at::empty({N, inter}, acc_opts);
   Tensor dx_rows = at::empty({N, H}, acc_opts);
   Tensor dw_rows = at::empty({N}, acc_opts);
   // Weight gradients: experts with rows write theirs whole below; only the others are zeroed
@@ -500,31 +492,29 @@ BackwardResult fused_moe_backward(
     }
   }
 
-  // Recompute h = x @ W1' + b1 per expert.
-  for_each_expert(g, H * up_out, [&](int64_t e) {
+  // One pass per expert (its [n, 2I] intermediates stay in cache), with W1', W2' such that
+  // h = x @ W1' + b1, y = act(h) @ W2' + b2, out += w * y:
+  //   recompute h and a = act(h);
+  //   g2 = go @ W2'^T; d(routing weight) = <go, y> = <g2, a> + <go, b2> (no second forward GEMM);
+  //   da = w * g2, dy = w * go, dW2 and db2 from dy; dh = act'(h) da; dW1, db1, dx from dh.
+  for_each_expert(g, 3 * H * up_out + 2 * inter * H, [&](int64_t e) {
     const int64_t s = g.start(e), n = g.count(e);
-    gather_rows(xa, g, s, s + n, xs);
-    gather_rows(go, g, s, s + n, gos);
-    Tensor h_e = h.narrow(0, s, n);
-    at::mm_out(h_e, xs.narrow(0, s, n), as_right_factor(expert_weight(gate_up, e), o.transposed));
+    const Tensor w1 = as_right_factor(expert_weight(gate_up, e), o.transposed);
+    const Tensor w2 = as_right_factor(expert_weight(down, e), o.transposed);
+    const Tensor xs_e = gather_rows(xa, g, s, s + n);
+    Tensor go_e = gather_rows(go, g, s, s + n);
+    const Tensor w_e = ws.narrow(0, s, n).unsqueeze(-1);
+
+    Tensor h_e = at::mm(xs_e, w1);
     if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e).to(acc));
-  });
-  Tensor a = activate(h, o).contiguous();
-  // Per expert: g2 = go @ W2'^T, then
-  //   d(routing weight) = <go, a @ W2' + b2> = <g2, a> + <go, b2>  (no second forward GEMM),
-  //   da = w * g2,  dy = w * go,  dW2 from dy and a,  db2 = sum dy.
-  for_each_expert(g, 2 * inter * H, [&](int64_t e) {
-    const int64_t s = g.start(e), n = g.count(e);
-    Tensor w2 = expert_weight(down, e);
-    Tensor a_e = a.narrow(0, s, n), go_e = gos.narrow(0, s, n), dy_e = dy.narrow(0, s, n);
-    Tensor w_e = ws.narrow(0, s, n).unsqueeze(-1);
-    Tensor da_e = da.narrow(0, s, n);
-    at::mm_out(da_e, go_e, as_right_factor(w2, o.transposed).t());
+    const Tensor a_e = activate(h_e, o);
+
+    Tensor da_e = at::mm(go_e, w2.t());
     Tensor dw_e = dw_rows.narrow(0, s, n);
     at::sum_out(dw_e, da_e * a_e, at::IntArrayRef{-1});
     if (down_bias.has_value()) dw_e.add_(at::mv(go_e, down_bias->select(0, e).to(acc)));
     da_e.mul_(w_e);
-    at::mul_out(dy_e, go_e, w_e);
+    const Tensor dy_e = go_e.mul_(w_e);
     Tensor d_w2_e = d_w2.select(0, e);
     if (o.transposed) {
       at::mm_out(d_w2_e, a_e.t(), dy_e);
@@ -535,12 +525,8 @@ BackwardResult fused_moe_backward(
       Tensor d_b2_e = d_b2.select(0, e);
       at::sum_out(d_b2_e, dy_e, at::IntArrayRef{0});
     }
-  });
-  Tensor dh = activation_backward(h, da, o).contiguous();
-  // dW1, db1 and dx per expert.
-  for_each_expert(g, 2 * H * up_out, [&](int64_t e) {
-    const int64_t s = g.start(e), n = g.count(e);
-    Tensor dh_e = dh.narrow(0, s, n), xs_e = xs.narrow(0, s, n);
+
+    const Tensor dh_e = activation_backward(h_e, da_e, o);
     Tensor d_w1_e = d_w1.select(0, e);
     if (o.transposed) {
       at::mm_out(d_w1_e, xs_e.t(), dh_e);
@@ -548,7 +534,7 @@ BackwardResult fused_moe_backward(
       at::mm_out(d_w1_e, dh_e.t(), xs_e);
     }
     Tensor dx_e = dx_rows.narrow(0, s, n);
-    at::mm_out(dx_e, dh_e, as_right_factor(expert_weight(gate_up, e), o.transposed).t());
+    at::mm_out(dx_e, dh_e, w1.t());
     if (d_b1.defined()) {
       Tensor d_b1_e = d_b1.select(0, e);
       at::sum_out(d_b1_e, dh_e, at::IntArrayRef{0});
