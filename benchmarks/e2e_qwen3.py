@@ -5,7 +5,8 @@
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
 Measures one training step (forward + loss + backward, no optimizer) and one prefill forward
 (no_grad), median of triton.testing.do_bench after compilation, and reports tokens/s.
-The mok backend is passed as a callable so that no installed entry point is needed.
+The mok backend is passed as a callable so that no installed entry point is needed (a plain
+checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
 
 from __future__ import annotations
@@ -16,25 +17,6 @@ import os
 import time
 
 import torch
-
-
-def _mok_backend():
-    """The backend callable; maps passes/ to mok_compile.passes (as pyproject.toml does) in an uninstalled tree."""
-    try:
-        import mok_compile.passes  # noqa: F401
-    except ImportError:
-        import importlib.util
-        import sys
-
-        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes")
-        spec = importlib.util.spec_from_file_location("mok_compile.passes", os.path.join(root, "__init__.py"),
-                                                      submodule_search_locations=[root])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["mok_compile.passes"] = mod
-        spec.loader.exec_module(mod)
-    from mok_compile.backend import mok_backend
-
-    return mok_backend
 
 
 def build_model(layers, seq):
@@ -72,7 +54,7 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    mok_backend = _mok_backend()
+    from mok_compile.backend import mok_backend
     from torch._dynamo.utils import counters
 
     model = build_model(args.layers, args.seq)
