@@ -77,7 +77,7 @@ def _module_path(node: fx.Node) -> str | None:
     if not stack:
         return None
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['self'\]\.?", "", path)       # Dynamo's name for the compiled module
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)      # Dynamo's name for the compiled module (its self argument)
     path = re.sub(r"\[(\d+)\]", r".\1", path)          # layers[0] -> layers.0
     return re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
 

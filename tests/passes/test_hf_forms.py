@@ -156,3 +156,30 @@ def test_llama4_dense_routing_reported_not_fused(impl):
     assert "Llama4" in report.blocks[0].reason and counters["mok"]["rejected_moe"] == 1
     out = run(gm, example)
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+class _LinearThenBlock(torch.nn.Module):
+    def __init__(self, impl):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(48, 64)
+        self.block = make_block("mixtral", experts_implementation=impl)
+
+    def forward(self, x):
+        return self.block(self.lin(x))
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_block_input_produced_by_a_linear(impl):
+    """The block's hidden states are whatever the router reads (here a Linear's output), not a graph input."""
+    (graph,), eager = capture(_LinearThenBlock(impl).eval(), torch.randn(2, 5, 48))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    op, = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    hidden = op.args[0]
+    while hidden.op == "call_method" and hidden.target in ("view", "reshape"):
+        hidden = hidden.args[0]
+    assert "linear" in str(hidden.target), gm.code  # the front Linear stays and feeds the op
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder" and "lin" in n.name and n.users]
+    torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[torch.float32])
