@@ -444,7 +444,8 @@ using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 
 BackwardResult fused_moe_backward(
     const Tensor& grad_out, const OptTensor& grad_topk_weights, const Tensor& hidden_states, const Tensor& router,
-    const OptTensor& router_bias, const OptTensor& selection_bias, const Tensor& gate_up_proj,
+    const OptTensor& router_bias, const OptTensor& /*selection_bias: only chooses, no gradient*/,
+    const Tensor& gate_up_proj,
     const OptTensor& gate_up_bias, const Tensor& down_proj, const OptTensor& down_bias, const Tensor& topk_weights,
     const Tensor& topk_ids, int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32,
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
