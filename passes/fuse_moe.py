@@ -144,9 +144,9 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
     return out
 
 
-def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport) -> None:
+def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport, probe_cache: dict, anchors) -> None:
     flow = Dataflow(gm.graph)
-    region: Region = find_region(gm, flow, topk, ids)
+    region: Region = find_region(gm, flow, topk, ids, anchors)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
     report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
@@ -173,7 +173,7 @@ def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport) -> None:
         roles = _roles(router, experts)
         for spec in experts.specs:
             kw = {**op_kwargs(routing, spec), "_intermediate": experts.intermediate}
-            why = probe(gm, flow, region, roles, operands, kw, plan.exports)
+            why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache)
             if why is None:
                 chosen = spec
                 break
@@ -199,13 +199,14 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
 
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
+    probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
     anchors = selection_topks(gm, Dataflow(gm.graph))
     for topk, ids in anchors:
         if getattr(topk, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
         block = BlockReport(name=_module_path(topk) or topk.name, fused=False, reason="", form="unknown")
         try:
-            _fuse_block(gm, topk, ids, validate, block)
+            _fuse_block(gm, topk, ids, validate, block, probe_cache, anchors)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form

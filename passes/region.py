@@ -295,8 +295,13 @@ def _close_over_writes(flow: Dataflow, sliced: set[fx.Node], out: fx.Node, stop,
     return sliced
 
 
-def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node) -> Region:
-    """The MoE block around one selection topk, or NoMatch with the reason."""
+def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node, anchors=None) -> Region:
+    """The MoE block around one selection topk, or NoMatch with the reason.
+
+    `anchors`: the graph's selection topks (`selection_topks`), computed when not given. A block ends before
+    the next block's router: nothing downstream of another anchor is a candidate output, so a block whose
+    output feeds another block directly (no residual in between) is not swallowed into one region with it.
+    """
     router_linear, logits = find_router(topk)
     for u in ids.users:
         if op_name(u) == "scatter" and op_name(u.args[0]) in ("full_like", "full", "zeros_like", "zeros"):
@@ -313,8 +318,12 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node)
     root = strip(x, VIEW_OPS)
     root_meta = tensor_meta(root)
     clean = _activation_clean(gm, flow, root)
+    if anchors is None:
+        anchors = selection_topks(gm, flow)
+    later_blocks = flow.forward_slice([t for t, _ in anchors if t is not topk and t in clean])
     reasons = []
-    for out in _candidate_outputs(flow, ids, clean, x_meta, root_meta)[:64]:
+    candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
+    for out in candidates[:64]:
         stop = lambda n: _is_source(n) or n is root  # noqa: E731
         sliced = _close_over_writes(flow, flow.backward_slice([out], stop), out, stop, clean)
         inputs = {n for n in sliced if _is_source(n)} - {root}

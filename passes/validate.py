@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import operator
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -32,22 +33,42 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, tor
 MAX_ROUNDS = 8
 
 
-def concrete(v):
-    """A size for the probe: the hint of a symbolic size (the size it was traced with)."""
+def concrete(v, subs=None):
+    """A size for the probe: the hint of a symbolic size (the size it was traced with), or its value with the
+    symbols in `subs` ({sympy symbol: int}) set to other sizes."""
     if isinstance(v, (int, float)):
         return v
     if isinstance(v, (list, tuple)):
-        return type(v)(concrete(x) for x in v) if not isinstance(v, torch.Size) else torch.Size(
-            [concrete(x) for x in v])
+        return type(v)(concrete(x, subs) for x in v) if not isinstance(v, torch.Size) else torch.Size(
+            [concrete(x, subs) for x in v])
     if isinstance(v, (torch.SymInt, torch.SymBool, torch.SymFloat)):
-        hint = v.node.shape_env.size_hint(v.node.expr)
+        expr = v.node.expr
+        if subs:
+            expr = expr.xreplace({k: sympy.Integer(x) for k, x in subs.items()})
+        hint = expr if expr.is_number else _hint(v.node.shape_env, expr)
+        if hint is None:
+            raise TypeError(f"cannot make {v!r} concrete (no hint: a data-dependent size)")
         return {torch.SymInt: int, torch.SymBool: bool, torch.SymFloat: float}[type(v)](hint)
     raise TypeError(f"cannot make {v!r} concrete")
 
 
-def _random(meta: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
-    shape = [concrete(s) for s in meta.shape]
-    t = torch.randn(shape, generator=gen, dtype=torch.float64) * std
+def _hint(shape_env, expr):
+    """The traced value of a size expression, or None for a data-dependent one (torch >= 2.11 spellings)."""
+    get = getattr(shape_env, "guarding_hint_or_throw", None)  # newer torch; size_hint is deprecated there
+    try:
+        value = get(expr) if get is not None else shape_env.size_hint(expr, allow_none=True)
+    except Exception:
+        return None
+    if value is None or (isinstance(value, sympy.Basic) and not value.is_number):
+        return None
+    return value
+
+
+def _random(meta: torch.Tensor, std: float, gen: torch.Generator, subs=None) -> torch.Tensor:
+    shape = [concrete(s, subs) for s in meta.shape]
+    # float32 draws (not float64): a Mixtral-8x7B layer's expert weights are 2.8 GB in bf16, 11 GB as float64.
+    dtype = torch.float64 if meta.dtype == torch.float64 else torch.float32
+    t = torch.randn(shape, generator=gen, dtype=dtype, device=gen.device) * std
     return t.to(dtype=meta.dtype, device=meta.device)
 
 
@@ -80,14 +101,162 @@ def materialize(operand, value_of, stack=torch.stack, cat=torch.cat):
     return value_of(operand)
 
 
+# Tokens the probe runs with when the graph's token count is symbolic (dynamic shapes): a smaller member of the
+# family of sizes the graph is valid for, still large enough that every expert is chosen within a few rounds.
+PROBE_TOKENS = 64
+
+
+def probe_sizes(region) -> dict:
+    """{symbol: size} that sets a symbolic token count T to at most max(PROBE_TOKENS, 4 * ceil(E / K)) (every
+    symbol of T stays >= 2, as Dynamo assumes); {} (probe at the traced sizes) for a static T, a small one, or
+    one that cannot be lowered. A static T is baked into the graph's constants, so it is never changed."""
+    T = region.T
+    if not isinstance(T, torch.SymInt):
+        return {}
+    E, K = concrete(region.E), max(1, region.K)
+    cap = max(PROBE_TOKENS, 4 * -(-E // K))
+    shape_env, expr = T.node.shape_env, T.node.expr
+    symbols = sorted(expr.free_symbols, key=str)
+    hints = {}
+    for sym in symbols:
+        hint = _hint(shape_env, sym)
+        if hint is None:
+            return {}  # an unbacked size: no hint to start from
+        hints[sym] = int(hint)
+
+    def tokens(values):
+        v = expr.xreplace({k: sympy.Integer(x) for k, x in values.items()})
+        return int(v) if v.is_number else None
+
+    if tokens(hints) is None or tokens(hints) <= cap:
+        return {}
+    values = dict(hints)
+    for sym in symbols:
+        lo, hi = 2, values[sym]
+        if lo > hi:
+            continue
+        values[sym] = lo
+        if tokens(values) > cap:
+            continue  # this symbol alone cannot bring T under the cap: keep it at 2, lower the next
+        while lo < hi:  # the largest size of `sym` that keeps T under the cap
+            mid = (lo + hi + 1) // 2
+            values[sym] = mid
+            lo, hi = (mid, hi) if tokens(values) <= cap else (lo, mid - 1)
+        values[sym] = lo
+        break
+    t = tokens(values)
+    if t is None or t > cap or t * K < 2 * E:
+        return {}
+    return {sym: v for sym, v in values.items() if v != hints[sym]}
+
+
+def probe_key(flow, region, roles: dict, operands: list, kwargs: dict, exports: dict):
+    """Everything `probe` depends on, with node names replaced by positions: two blocks with the same key get the
+    same verdict (same op sequence, targets, constants, shapes, dtypes, devices, roles of the inputs, operands,
+    op keywords). None when the region holds something the key cannot capture (a call_module, an unknown
+    constant): such a block is always probed."""
+    inputs = [region.root, *region.inputs]
+    nodes = flow.sorted(region.nodes)
+    index = {n: i for i, n in enumerate(inputs + nodes)}
+    try:
+        key = (
+            tuple((n.op, roles.get(n, "hidden"), _meta_key(meta_value(n))) for n in inputs),
+            tuple((n.op, _target_key(n), _freeze(n.args, index), _freeze(n.kwargs, index), _meta_key(meta_value(n)))
+                  for n in nodes),
+            tuple(_operand_key(o, index) for o in operands),
+            tuple(sorted((k, _freeze(v, index)) for k, v in exports.items())),
+            tuple(sorted((k, _freeze(v, index)) for k, v in kwargs.items())),
+            index[region.out], index[region.ids], index[region.x], _freeze(region.T, index), _freeze(region.H, index),
+            _freeze(region.E, index), region.K,
+        )
+        hash(key)
+    except (_NoKey, TypeError, KeyError):
+        return None
+    return key
+
+
+class _NoKey(Exception):
+    pass
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _freeze(v, index):
+    if isinstance(v, fx.Node):
+        return ("node", index[v])
+    if v is None or v is Ellipsis:
+        return (repr(v),)
+    if isinstance(v, _PLAIN):
+        return (type(v).__name__, v)
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", type(v).__name__, str(v.node.expr), concrete(v))
+    if isinstance(v, slice):
+        return ("slice", _freeze(v.start, index), _freeze(v.stop, index), _freeze(v.step, index))
+    if isinstance(v, (list, tuple)):  # torch.Size too
+        return (type(v).__name__, tuple(_freeze(x, index) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((str(k), _freeze(x, index)) for k, x in v.items())))
+    raise _NoKey(type(v).__name__)
+
+
+def _meta_key(meta):
+    if isinstance(meta, torch.Tensor):
+        return ("tensor", _freeze(tuple(meta.shape), {}), meta.dtype, meta.device)
+    if isinstance(meta, (list, tuple)):
+        return ("seq", tuple(_meta_key(m) for m in meta))
+    if meta is None or isinstance(meta, (_PLAIN, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _freeze(meta, {})
+    return ("other", type(meta).__name__)
+
+
+def _target_key(n: fx.Node):
+    if n.op == "call_method":
+        return n.target
+    if n.op == "call_function":
+        return n.target  # the callable itself (hashable), not its name: two different functions never share
+    raise _NoKey(n.op)  # call_module runs a module whose own parameters the probe does not draw
+
+
+def _operand_key(operand, index):
+    from .experts import Stack
+
+    if isinstance(operand, Stack):
+        return ("stack", tuple(tuple(index[n] for n in g) for g in operand.groups))
+    return _freeze(operand, index)
+
+
 def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs: dict, exports: dict,
-          seed: int = 0) -> str | None:
+          seed: int = 0, cache: dict | None = None) -> str | None:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
     "down_bias" | "hidden"; operands: the op's 8 tensor operands; exports: {"weights": node, "ids": node} the rest
-    of the graph reads and the op's outputs replace.
+    of the graph reads and the op's outputs replace. `cache` (one per `fuse_moe` call) maps `probe_key`s to
+    verdicts, so structurally identical layers are probed once.
+
+    A symbolic token count is lowered for the probe (`probe_sizes`); if the region does not run or does not
+    agree at the lowered size, the verdict is taken at the traced size.
     """
+    from torch._dynamo.utils import counters
+
+    key = probe_key(flow, region, roles, operands, kwargs, exports) if cache is not None else None
+    if key is not None and key in cache:
+        counters["mok"]["probe_cached"] += 1
+        return cache[key]
+    subs = probe_sizes(region)
+    why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs)
+    if why is not None and subs:
+        why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {})
+    if key is not None:
+        cache[key] = why
+    return why
+
+
+def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) -> str | None:
+    from torch._dynamo.utils import counters
+
+    counters["mok"]["probe_runs"] += 1
     H = concrete(region.H)
     inter = max(1, kwargs.get("_intermediate", H))
     std = {"hidden": 1.0, "router": 2.0 / math.sqrt(H), "router_bias": 0.5, "selection_bias": 0.2,
@@ -96,7 +265,13 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     nodes = flow.sorted(region.nodes)
     E = concrete(region.E)
     seen = torch.zeros(E, dtype=torch.bool)
-    gen = torch.Generator().manual_seed(seed)
+    gens = {}
+
+    def generator(device):  # draws on the block's own device (no multi-GB host-to-device copies)
+        if device not in gens:
+            gens[device] = torch.Generator(device=device).manual_seed(seed)
+        return gens[device]
+
     with torch.no_grad():
         for round_ in range(MAX_ROUNDS):
             env = {}
@@ -105,9 +280,9 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
                 if isinstance(meta, torch.Tensor):
                     if not meta.is_floating_point():
                         return f"block input {n.name} is not a float tensor"
-                    env[n] = _random(meta, std[roles.get(n, "hidden")], gen)
+                    env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
                 else:
-                    env[n] = concrete(meta)
+                    env[n] = concrete(meta, subs)
             try:
                 run_nodes(gm, nodes, env)
                 args = [materialize(o, env.__getitem__) for o in operands]

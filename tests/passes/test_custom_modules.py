@@ -140,3 +140,24 @@ def test_strict_raises_naming_block_and_reason():
     (graph,), _ = capture(models.SquaredWeightsMoE().eval(), torch.randn(10, 32))
     with pytest.raises(MoeFusionError, match="was not fused: routing weights go through"):
         fuse_moe(*graph, strict=True)
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, *blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)  # no residual: each block's output is the next block's whole input
+        return x
+
+
+def test_chained_blocks_are_separate_regions():
+    """A block ends before the next block's router, even when everything downstream depends only on its input."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(_Chain(models.StackedGatherMoE(), models.StackedGatherMoE(),
+                                              models.SentinelMaskMoE()), torch.randn(10, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "batched_mm")] * 3, str(report)
+    assert count_fused(gm) == 3
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
