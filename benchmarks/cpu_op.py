@@ -9,10 +9,14 @@ built by `mok_compile.hf_blocks.make_block` with
   mok            torch.ops.mok.fused_moe on the block's own weights (router included;
                  CPU dispatch key -> csrc/fused_moe_cpu.cpp)
 forward (no_grad) and forward+backward (loss = sum(out * g); x and all weights
-require grad). Each time is the median of --reps runs after two warm-up runs,
-all in one process. "floor" is the expert FLOPs of the block run as two dense
-matmuls ([T*K, H] @ [H, 2I] and [T*K, I] @ [I, H]; x3 for forward+backward):
-what perfect grouping would cost at this machine's GEMM rate.
+require grad). Each time is the median of --reps rounds after two warm-up
+rounds, all in one process; in every round each variant runs once, so that load
+from other processes on the machine slows all of them alike.
+
+"floor" runs the experts' FLOPs as dense GEMMs of one shared weight
+([T*K, H] @ [H, 2I] and [T*K, I] @ [I, H]; forward+backward adds the four
+gradient GEMMs). No grouping reaches it: every expert reads its own weights
+(192 MB in fp32 here), and per-expert GEMMs have only ~T*K/E rows.
 """
 
 from __future__ import annotations
@@ -31,15 +35,19 @@ FAMILY = "qwen3_moe"
 SIZES = BlockSizes(hidden=1024, intermediate=512, experts=32, top_k=4)
 
 
-def median_ms(fn, reps: int, warmup: int = 2) -> float:
+def median_times_ms(runners: dict, reps: int, warmup: int = 2) -> dict:
+    """Median time of each runner; runners take turns in every round, so that a busy machine
+    (other processes on the same cores) slows them alike instead of whichever ran during a burst."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in runners.values():
+            fn()
+    times = {name: [] for name in runners}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for name, fn in runners.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 def hf_runner(block, x, grad_out, backward: bool):
@@ -125,10 +133,10 @@ def main(argv=None):
     rows = []
     for backward in (False, True):
         label = "forward+backward" if backward else "forward"
-        times = {f"hf:{impl}": median_ms(hf_runner(block, x, grad_out, backward), args.reps)
-                 for impl, block in blocks.items()}
-        times["mok"] = median_ms(mok_runner(tensors, kw, x, grad_out, backward), args.reps)
-        times["floor"] = median_ms(dense_floor_runner(T, backward), args.reps)
+        runners = {f"hf:{impl}": hf_runner(block, x, grad_out, backward) for impl, block in blocks.items()}
+        runners["mok"] = mok_runner(tensors, kw, x, grad_out, backward)
+        runners["floor"] = dense_floor_runner(T, backward)
+        times = median_times_ms(runners, args.reps)
         best_hf = min(times["hf:eager"], times["hf:grouped_mm"])
         rows.append((label, times, best_hf / times["mok"]))
 
