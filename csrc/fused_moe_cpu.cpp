@@ -24,7 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -321,10 +321,11 @@ void for_each_expert(const ExpertGroups& g, int64_t macs_per_row, const F& fn) {
     bins[b].push_back(e);
     load[b] += g.count(e);
   }
+  // OpenMP workers start with default thread-local state (grad mode on, no inference mode,
+  // autograd keys not excluded): give them the caller's, so ATen calls dispatch as on it.
+  const at::ThreadLocalState caller_state;
   at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
-    // OpenMP workers start with default thread-local state (grad mode on):
-    // keep ATen calls below autograd, as on the calling thread.
-    c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset);
+    at::ThreadLocalStateGuard state_guard(caller_state);
     for (int64_t b = b0; b < b1; ++b) {
       for (int64_t e : bins[b]) fn(e);
     }

@@ -207,6 +207,21 @@ def test_autograd_through_dispatcher_matches_reference():
 
 
 @requires_cpp
+def test_inference_mode():
+    """Under torch.inference_mode the worker threads must see it too (in-place writes into
+    inference tensors are refused outside it)."""
+    tensors, kw = make_inputs("softmax_topk_mixtral", "silu_concat", 301, expert_bias=True, **PARALLEL_SIZES)
+    out, w, ids = torch.ops.mok.fused_moe(*tensors, **kw)
+    grads = torch.ops.mok.fused_moe_backward(torch.ones_like(out), None, *tensors, w, ids, **kw)
+    with torch.inference_mode():
+        inference_tensors = [None if t is None else t.clone() for t in tensors]
+        out_i, w_i, ids_i = torch.ops.mok.fused_moe(*inference_tensors, **kw)
+        grads_i = torch.ops.mok.fused_moe_backward(torch.ones_like(out_i), None, *inference_tensors, w_i, ids_i, **kw)
+    for a, b in zip((out, w, ids, *grads), (out_i, w_i, ids_i, *grads_i), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@requires_cpp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_deterministic(dtype):
     """Two identical calls give identical bits, at a size where experts run in parallel."""
