@@ -88,6 +88,12 @@ def median_times_ms(fns: dict, device, iters: int, rounds: int = 5) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _logits_error(logits, eager) -> str:
+    diff = (logits.float() - eager.float()).norm() / eager.float().norm()
+    same_top1 = (logits.argmax(-1) == eager.argmax(-1)).float().mean()
+    return f"relative error {diff.item():.2e}, same top-1 token {100 * same_top1.item():.1f}%"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import mok_compile
@@ -107,13 +113,15 @@ def main(argv=None) -> int:
 
         mok_model = torch.compile(model, backend="mok")
         out = mok_model(ids).logits
-        err = (out.float() - eager.float()).abs().max().item()
-        print(f"\nmax |mok - eager| of the logits: {err:.3g} (logits up to {eager.float().abs().max().item():.3g})")
-
         # Compile times are not compared here: the second compile reuses kernels cached by the first
         # (benchmarks/compile_overhead.py measures them in fresh processes).
         inductor_model = torch.compile(model, backend="inductor")
-        inductor_model(ids)
+        ref = inductor_model(ids).logits
+        print()
+        # In bf16 a token whose top-k experts nearly tie can route differently under any change of
+        # summation order, so inductor's own distance from eager is printed as the yardstick.
+        for name, logits in (("mok", out), ("inductor", ref)):
+            print(f"{name:>8} vs eager: {_logits_error(logits, eager)}")
         medians = median_times_ms({"mok": lambda: mok_model(ids), "inductor": lambda: inductor_model(ids)},
                                   args.device, args.iters)
     t_mok, t_ind = medians["mok"], medians["inductor"]
