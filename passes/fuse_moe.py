@@ -219,7 +219,9 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
                      block.top_k, block.dtype)
         else:
             counters["mok"]["rejected_moe"] += 1
-            log.warning("mok: MoE block %s not fused: %s", block.name, block.reason)
+            # Eager-experts fragments get one user warning per process from the backend, not one per compile.
+            level = logging.INFO if block.form == "eager_fragment" else logging.WARNING
+            log.log(level, "mok: MoE block %s not fused: %s", block.name, block.reason)
     if report.fused:
         gm.graph.lint()
         gm.recompile()
