@@ -12,6 +12,10 @@
 //                  (BLAS single-threaded inside) when there are enough of them
 //   combine        out[t] = sum_k w[t,k] * y[t,k], k in a fixed order
 //
+// weight_on_input (Llama4): each gathered row is scaled by its routing weight
+// before the first GEMM, xs = (x[t] * w[t,k]) rounded to x's dtype, and the
+// combine is unweighted, out[t] = sum_k y[t,k].
+//
 // Determinism: every output element is written by exactly one thread and every
 // sum has a fixed order (dX is kept per (token, slot) and summed per token in
 // expert order, the order of the reference's index_add_), so two calls give the
@@ -65,6 +69,7 @@ struct MoeOptions {
   bool transposed;
   double alpha;
   double limit;
+  bool weight_on_input;
 };
 
 Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
@@ -115,6 +120,10 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
     if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group);
     ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
     w = scores.gather(1, ids);
+  } else if (o.routing == "topk_sigmoid") {
+    Tensor top;
+    std::tie(top, ids) = at::topk(logits, o.top_k, -1);
+    w = (o.softmax_fp32 ? upcast(top) : top).sigmoid();
   } else {
     TORCH_CHECK(false, "mok_cpu.fused_moe: unknown routing '", o.routing, "'");
   }
@@ -137,6 +146,8 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
     w0 = base.gather(1, ids);
   } else if (o.routing == "topk_softmax") {
     w0 = at::softmax(l.gather(1, ids), -1);
+  } else if (o.routing == "topk_sigmoid") {
+    w0 = at::sigmoid(l.gather(1, ids));
   } else {
     base = at::sigmoid(l);
     w0 = base.gather(1, ids);
@@ -154,6 +165,9 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
   if (o.routing == "topk_softmax") {
     Tensor dtop = w0 * (d - sum_last(w0 * d));
     return at::zeros_like(l).scatter_(1, ids, dtop);
+  }
+  if (o.routing == "topk_sigmoid") {  // d logits[t, ids] = d w0 * w0 * (1 - w0)
+    return at::zeros_like(l).scatter_(1, ids, d * w0 * (1 - w0));
   }
   Tensor ds = at::zeros_like(l).scatter_(1, ids, d);
   return ds * base * (1 - base);
@@ -357,7 +371,9 @@ void advise_huge_pages(const Tensor& t) {
 // out[t] = sum_k w[t,k] * ys[row_of_pair[t*K+k]]: products rounded to prod_t (the
 // promoted dtype of y and w, as in the reference's `y * w`), summed over k in
 // order in its op-math type, rounded to prod_t, then to scalar_t.
-template <typename scalar_t, typename prod_t>
+// Unweighted (weight_on_input): out[t] = sum_k ys[...], summed in scalar_t's op-math
+// type and rounded once (the reference's `y.sum(dim=1)`).
+template <typename scalar_t, typename prod_t, bool weighted = true>
 void combine_rows(const Tensor& ys, const Tensor& w, const ExpertGroups& g, Tensor& out) {
   using acc_t = at::opmath_type<prod_t>;
   const int64_t T = out.size(0), H = out.size(1), K = g.top_k;
@@ -369,10 +385,14 @@ void combine_rows(const Tensor& ys, const Tensor& w, const ExpertGroups& g, Tens
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t k = 0; k < K; ++k) {
-        const acc_t wk = static_cast<acc_t>(wp[t * K + k]);
         const scalar_t* yr = y + g.row_of_pair[t * K + k] * H;
-        for (int64_t j = 0; j < H; ++j) {
-          acc[j] += static_cast<acc_t>(static_cast<prod_t>(static_cast<acc_t>(yr[j]) * wk));
+        if constexpr (weighted) {
+          const acc_t wk = static_cast<acc_t>(wp[t * K + k]);
+          for (int64_t j = 0; j < H; ++j) {
+            acc[j] += static_cast<acc_t>(static_cast<prod_t>(static_cast<acc_t>(yr[j]) * wk));
+          }
+        } else {
+          for (int64_t j = 0; j < H; ++j) acc[j] += static_cast<acc_t>(yr[j]);
         }
       }
       for (int64_t j = 0; j < H; ++j) o[t * H + j] = static_cast<scalar_t>(static_cast<prod_t>(acc[j]));
@@ -380,8 +400,16 @@ void combine_rows(const Tensor& ys, const Tensor& w, const ExpertGroups& g, Tens
   });
 }
 
-Tensor combine(const Tensor& ys, const Tensor& topk_weights, const ExpertGroups& g, int64_t T, int64_t H) {
+Tensor combine(const Tensor& ys, const Tensor& topk_weights, const ExpertGroups& g, int64_t T, int64_t H,
+               bool weighted) {
   const at::ScalarType x_dtype = ys.scalar_type();
+  if (!weighted) {
+    Tensor out = at::empty({T, H}, ys.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x_dtype, "mok_cpu_combine_unweighted", [&] {
+      combine_rows<scalar_t, scalar_t, false>(ys, ys, g, out);
+    });
+    return out;
+  }
   const at::ScalarType prod_dtype = at::promote_types(x_dtype, topk_weights.scalar_type());
   TORCH_CHECK(prod_dtype == x_dtype || prod_dtype == at::kFloat, "mok_cpu.fused_moe: routing weights of dtype ",
               topk_weights.scalar_type(), " cannot be combined with ", x_dtype, " expert outputs");
@@ -432,15 +460,20 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
   const ExpertGroups g = group_by_expert(topk_ids, E);
   Tensor ys = at::empty({g.order.numel(), H}, x.options());
   advise_huge_pages(ys);
+  // weight_on_input: the routing weight of each sorted row, to scale its gathered input.
+  const Tensor ws = o.weight_on_input ? topk_weights.reshape({-1}).index_select(0, g.order) : Tensor();
   for_each_expert(g, H * up_out + inter * H, [&](int64_t e) {
     const int64_t s = g.start(e), n = g.count(e);
-    Tensor h_e = at::mm(gather_rows(x, g, s, s + n), as_right_factor(gate_up.select(0, e), o.transposed));
+    Tensor x_e = gather_rows(x, g, s, s + n);
+    // Product in the promoted dtype of x and w (as the reference's `x * w`), rounded to x's dtype.
+    if (o.weight_on_input) x_e = at::mul(x_e, ws.narrow(0, s, n).unsqueeze(-1)).to(x.scalar_type());
+    Tensor h_e = at::mm(x_e, as_right_factor(gate_up.select(0, e), o.transposed));
     if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e));  // after the GEMM's rounding, like HF
     Tensor y_e = ys.narrow(0, s, n);
     at::mm_out(y_e, activate(h_e, o), as_right_factor(down.select(0, e), o.transposed));
     if (down_bias.has_value()) y_e.add_(down_bias->select(0, e));
   });
-  return combine(ys, topk_weights, g, T, H);
+  return combine(ys, topk_weights, g, T, H, /*weighted=*/!o.weight_on_input);
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(
@@ -449,10 +482,10 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(
     int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32, bool softmax_fp32,
     bool renormalize, double renorm_eps, double routed_scale, int64_t n_group, int64_t topk_group,
     bool weights_fp32, c10::string_view activation, bool gated, bool interleaved, bool transposed, double alpha,
-    double limit) {
+    double limit, bool weight_on_input) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
@@ -475,10 +508,10 @@ BackwardResult fused_moe_backward(
     const Tensor& topk_ids, int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32,
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
-    bool transposed, double alpha, double limit) {
+    bool transposed, double alpha, double limit, bool weight_on_input) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
@@ -526,6 +559,8 @@ BackwardResult fused_moe_backward(
   //   recompute h and a = act(h);
   //   g2 = go @ W2'^T; d(routing weight) = <go, y> = <g2, a> + <go, b2> (no second forward GEMM);
   //   da = w * g2, dy = w * go, dW2 and db2 from dy; dh = act'(h) da; dW1, db1, dx from dh.
+  // weight_on_input: h = (w x) @ W1' + b1 and out += y, so dy = go, da = g2, dW1 from w x, and
+  //   with dxs = dh @ W1'^T: d(routing weight) = <dxs, x>, dx = w * dxs.
   for_each_expert(g, 3 * H * up_out + 2 * inter * H, [&](int64_t e) {
     const int64_t s = g.start(e), n = g.count(e);
     const Tensor w1 = as_right_factor(expert_weight(gate_up, e), o.transposed);
@@ -533,17 +568,21 @@ BackwardResult fused_moe_backward(
     const Tensor xs_e = gather_rows(xa, g, s, s + n);
     Tensor go_e = gather_rows(go, g, s, s + n);
     const Tensor w_e = ws.narrow(0, s, n).unsqueeze(-1);
+    const Tensor x_in = o.weight_on_input ? xs_e * w_e : xs_e;  // the expert's input
 
-    Tensor h_e = at::mm(xs_e, w1);
+    Tensor h_e = at::mm(x_in, w1);
     if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e).to(acc));
     const Tensor a_e = activate(h_e, o);
 
     Tensor da_e = at::mm(go_e, w2.t());
     Tensor dw_e = dw_rows.narrow(0, s, n);
-    at::sum_out(dw_e, da_e * a_e, at::IntArrayRef{-1});
-    if (down_bias.has_value()) dw_e.add_(at::mv(go_e, down_bias->select(0, e).to(acc)));
-    da_e.mul_(w_e);
-    const Tensor dy_e = go_e.mul_(w_e);
+    if (!o.weight_on_input) {
+      at::sum_out(dw_e, da_e * a_e, at::IntArrayRef{-1});
+      if (down_bias.has_value()) dw_e.add_(at::mv(go_e, down_bias->select(0, e).to(acc)));
+      da_e.mul_(w_e);
+      go_e.mul_(w_e);
+    }
+    const Tensor& dy_e = go_e;
     Tensor d_w2_e = d_w2.select(0, e);
     if (o.transposed) {
       at::mm_out(d_w2_e, a_e.t(), dy_e);
@@ -558,12 +597,16 @@ BackwardResult fused_moe_backward(
     const Tensor dh_e = activation_backward(h_e, da_e, o);
     Tensor d_w1_e = d_w1.select(0, e);
     if (o.transposed) {
-      at::mm_out(d_w1_e, xs_e.t(), dh_e);
+      at::mm_out(d_w1_e, x_in.t(), dh_e);
     } else {
-      at::mm_out(d_w1_e, dh_e.t(), xs_e);
+      at::mm_out(d_w1_e, dh_e.t(), x_in);
     }
     Tensor dx_e = dx_rows.narrow(0, s, n);
     at::mm_out(dx_e, dh_e, w1.t());
+    if (o.weight_on_input) {  // dx_e holds the gradient of the expert input w * x
+      at::sum_out(dw_e, dx_e * xs_e, at::IntArrayRef{-1});
+      dx_e.mul_(w_e);
+    }
     if (d_b1.defined()) {
       Tensor d_b1_e = d_b1.select(0, e);
       at::sum_out(d_b1_e, dh_e, at::IntArrayRef{0});
@@ -602,7 +645,7 @@ BackwardResult fused_moe_backward(
 #define MOK_CPU_SCALARS                                                                                          \
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
-  "bool gated, bool interleaved, bool transposed, float alpha, float limit"
+  "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"

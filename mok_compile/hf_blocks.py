@@ -25,6 +25,11 @@ class BlockSizes:
 
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe")
+# Families whose block the op covers with weight_on_input=True (the routing weight scales the expert's input:
+# Llama4's dense MoE, where every expert runs on every token and unrouted ones get a zero input). Kept out of
+# FAMILIES until the compiler pass fuses them: tests parametrised over FAMILIES expect a fused block.
+WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
+ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES
 
 
 def _require_transformers():
@@ -65,8 +70,14 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                               **common)
     elif family == "granitemoe":
         cfg = tf.GraniteMoeConfig(intermediate_size=I, num_local_experts=E, **common)
+    elif family == "llama4":
+        # Text-only (Llama4ForCausalLM), every layer MoE (gated shared expert of size I, outside the op);
+        # dense layers (none here) would use intermediate_size_mlp.
+        cfg = tf.Llama4TextConfig(intermediate_size=I, intermediate_size_mlp=2 * I, num_local_experts=E,
+                                  head_dim=H // 4, interleave_moe_layer_step=1, moe_layers=list(range(num_layers)),
+                                  no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -84,6 +95,7 @@ def _block_class(family: str):
         "deepseek_v3": "DeepseekV3MoE",
         "gpt_oss": "GptOssMLP",
         "granitemoe": "GraniteMoeMoE",
+        "llama4": "Llama4TextMoe",
     }
     return getattr(mod, names[family])
 
@@ -117,6 +129,12 @@ def routed_parts(family: str, block):
     """(router module, experts module, RoutingSpec, ExpertSpec) of an HF block; shared experts stay outside."""
     cfg = block.experts.config if hasattr(block.experts, "config") else None
     K = getattr(cfg, "num_experts_per_tok", None)
+    if family == "llama4":
+        # Llama4Router: topk on the logits, sigmoid of the chosen ones in fp32 cast back to the model dtype;
+        # the score multiplies the expert's input. Experts [E, H, 2I] / [E, I, H], up * silu(gate).
+        spec = RoutingSpec(top_k=block.top_k, routing="topk_sigmoid", softmax_fp32=True, weights_fp32=False,
+                           weight_on_input=True)
+        return block.router, block.experts, spec, ExpertSpec(transposed=True)
     if family == "mixtral":
         return block.gate, block.experts, RoutingSpec(top_k=K, renormalize=True, weights_fp32=True), ExpertSpec()
     if family in ("qwen2_moe", "qwen3_moe", "olmoe"):

@@ -25,6 +25,13 @@ depends only on input shapes:
   the reference's k order, so unrouted experts never enter the sum, not even as
   ``0 * inf``).
 
+With ``weight_on_input`` (Llama4) the weight scales the expert's input instead,
+``(x[t] * w[t, k]).to(x.dtype)``, and the combine is the plain ``sum_k y[t, k]``.
+``gather`` scales each (token, slot)'s input row; ``dense`` runs expert e on
+``x * w_dense[:, e]`` with ``w_dense`` the routing weights scattered into a zero
+``[T, E]`` (what Llama4's own module does), then picks the K routed outputs as
+usual, so unrouted experts (zero input, but possibly a bias) never enter the sum.
+
 Used only on the export path (`decompose_fused_moe` rewrites a graph's calls);
 the fused op keeps its own kernels everywhere else.
 """
@@ -44,9 +51,16 @@ def _linear(x, weight, transposed):
     return x @ (weight if transposed else weight.transpose(-1, -2))
 
 
-def _experts_gather(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *, transposed, **act):
-    """[T, K, H] outputs of the K routed experts of each token, from per-pair gathered weights."""
-    xs = x.unsqueeze(1).unsqueeze(2)  # [T, 1, 1, H], broadcast over the K slots
+def _experts_gather(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *, transposed, input_weights=None,
+                    **act):
+    """[T, K, H] outputs of the K routed experts of each token, from per-pair gathered weights.
+
+    input_weights: [T, K] routing weights that scale each pair's input (weight_on_input), or None.
+    """
+    if input_weights is None:
+        xs = x.unsqueeze(1).unsqueeze(2)  # [T, 1, 1, H], broadcast over the K slots
+    else:
+        xs = (x.unsqueeze(1) * input_weights.unsqueeze(-1)).to(x.dtype).unsqueeze(2)  # [T, K, 1, H]
     h = _linear(xs, gate_up_proj[ids], transposed).squeeze(2)  # [T, K, 2I]
     if gate_up_bias is not None:
         h = h + gate_up_bias[ids]
@@ -57,9 +71,19 @@ def _experts_gather(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *,
     return y
 
 
-def _experts_dense(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *, transposed, **act):
-    """[T, K, H] outputs of the K routed experts of each token, picked from all E experts' outputs."""
-    h = _linear(x.unsqueeze(0), gate_up_proj, transposed)  # [E, T, 2I]
+def _experts_dense(x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *, transposed, input_weights=None,
+                   **act):
+    """[T, K, H] outputs of the K routed experts of each token, picked from all E experts' outputs.
+
+    input_weights: [T, K] routing weights that scale each pair's input (weight_on_input), or None.
+    """
+    if input_weights is None:
+        xs = x.unsqueeze(0)  # [1, T, H], broadcast over the experts
+    else:  # expert e runs on x * w[t, e], w scattered into a zero [T, E] (unrouted pairs: zero input, not picked)
+        dense_w = torch.zeros(x.shape[0], gate_up_proj.shape[0], dtype=input_weights.dtype, device=x.device)
+        dense_w = dense_w.scatter(1, ids, input_weights)
+        xs = (x.unsqueeze(0) * dense_w.t().unsqueeze(-1)).to(x.dtype)  # [E, T, H]
+    h = _linear(xs, gate_up_proj, transposed)  # [E, T, 2I]
     if gate_up_bias is not None:
         h = h + gate_up_bias.unsqueeze(1)
     a = activate(h, **act)
@@ -86,10 +110,15 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
                    softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
                    routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
                    weights_fp32=kw["weights_fp32"])
+    weight_on_input = kw["weight_on_input"]
     y = _EXPERTS[experts_form](x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias,
-                               transposed=kw["transposed"], activation=kw["activation"], gated=kw["gated"],
-                               interleaved=kw["interleaved"], alpha=kw["alpha"], limit=kw["limit"])
-    out = (y * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+                               transposed=kw["transposed"], input_weights=w if weight_on_input else None,
+                               activation=kw["activation"], gated=kw["gated"], interleaved=kw["interleaved"],
+                               alpha=kw["alpha"], limit=kw["limit"])
+    if weight_on_input:
+        out = y.sum(dim=1).to(x.dtype)
+    else:
+        out = (y * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
     return out, w, ids
 
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .spec import ExpertSpec, with_defaults
+from .spec import ROUTINGS, ExpertSpec, with_defaults
 
 _SCALARS = (
     "int top_k, str routing='softmax_topk', bool router_is_logits=False, bool router_fp32=False, "
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
-    "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0"
+    "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -144,8 +144,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
             _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
     if not 1 <= top_k <= E:
         _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
-    if routing not in ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk"):
-        _fail(f"routing={routing!r} is not supported")
+    if routing not in ROUTINGS:
+        _fail(f"routing={routing!r} is not supported; use one of {ROUTINGS}")
     if routing == "sigmoid_grouped_topk" and n_group > 1:
         if E % n_group != 0 or E // n_group < 2:
             _fail(f"n_group={n_group} must divide E={E} into groups of at least 2 experts")

@@ -83,6 +83,9 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
             choice = _grouped_choice(choice, n_group, topk_group)
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
+    elif routing == "topk_sigmoid":
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        w = (_upcast(top) if softmax_fp32 else top).sigmoid()
     else:
         raise ValueError(f"unknown routing {routing!r}")
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale)
@@ -141,13 +144,19 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
 
 
 def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *,
-                      activation, gated, interleaved, transposed, alpha, limit):
-    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs."""
+                      activation, gated, interleaved, transposed, alpha, limit, weight_on_input=False):
+    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs.
+
+    weight_on_input: sum_k expert_{ids[t,k]}((x[t] * w[t,k]).to(x.dtype)) instead (Llama4); the product is
+    taken in the promoted dtype of x and w, as PyTorch's `x * w` would.
+    """
     T, H = x.shape
     K = topk_ids.shape[1]
     E = gate_up_proj.shape[0]
     order, counts = group_by_expert(topk_ids, E)
     xs = x[order // K]
+    if weight_on_input:
+        xs = (xs * topk_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
     ys = x.new_empty(T * K, H)
     start = 0
     for e, n in enumerate(counts.tolist()):
@@ -160,6 +169,8 @@ def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, dow
         start += n
     y = torch.empty_like(ys)
     y[order] = ys
+    if weight_on_input:
+        return y.view(T, K, H).sum(dim=1).to(x.dtype)
     out = (y.view(T, K, H) * topk_weights.unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)
 
@@ -168,7 +179,8 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         down_proj, down_bias, *, top_k, routing="softmax_topk", router_is_logits=False,
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
-                        gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0):
+                        gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
+                        weight_on_input=False):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
@@ -176,7 +188,8 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
                    routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
-                            gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit)
+                            gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
+                            weight_on_input=weight_on_input)
     return out, w, ids
 
 
@@ -235,6 +248,8 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
         w0 = base.gather(1, topk_ids)
     elif routing == "topk_softmax":
         w0 = torch.softmax(l.gather(1, topk_ids), dim=-1)
+    elif routing == "topk_sigmoid":
+        w0 = torch.sigmoid(l.gather(1, topk_ids))
     else:
         base = torch.sigmoid(l)
         w0 = base.gather(1, topk_ids)
@@ -249,6 +264,8 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
     if routing == "topk_softmax":
         dtop = w0 * (d - (w0 * d).sum(dim=-1, keepdim=True))
         return torch.zeros_like(l).scatter_(1, topk_ids, dtop)
+    if routing == "topk_sigmoid":  # d logits[t, ids] = d w0 * w0 * (1 - w0)
+        return torch.zeros_like(l).scatter_(1, topk_ids, d * w0 * (1 - w0))
     ds = torch.zeros_like(l).scatter_(1, topk_ids, d)
     return ds * base * (1 - base)
 
@@ -258,8 +275,11 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  top_k, routing="softmax_topk", router_is_logits=False, router_fp32=False,
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
-                                 transposed=False, alpha=1.702, limit=7.0):
+                                 transposed=False, alpha=1.702, limit=7.0, weight_on_input=False):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order.
+
+    weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
+    gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.
 
     Returns (grad_hidden_states, grad_router, grad_router_bias, grad_gate_up_proj, grad_gate_up_bias,
     grad_down_proj, grad_down_bias); bias gradients are None where the bias is None.
@@ -292,11 +312,19 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         t = tok[start:start + n]
         start += n
         xe = xa[t]
-        h = _project(xe, w1s[e], None if b1s is None else b1s[e], transposed)
+        if weight_on_input:
+            w_pair = wts.view(-1)[pairs].unsqueeze(-1)
+            x_in = xe * w_pair
+        else:
+            x_in = xe
+        h = _project(x_in, w1s[e], None if b1s is None else b1s[e], transposed)
         a = activate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
-        y = _project(a, w2s[e], None if b2s is None else b2s[e], transposed)
-        d_wts[pairs] = (go[t] * y).sum(dim=-1)
-        dy = go[t] * wts.view(-1)[pairs].unsqueeze(-1)
+        if weight_on_input:  # unweighted combine: out += y
+            dy = go[t]
+        else:
+            y = _project(a, w2s[e], None if b2s is None else b2s[e], transposed)
+            d_wts[pairs] = (go[t] * y).sum(dim=-1)
+            dy = go[t] * wts.view(-1)[pairs].unsqueeze(-1)
         if transposed:  # y = a @ W2, W2: [I, H]
             d_w2[e] = a.t() @ dy
             da = dy @ w2s[e].t()
@@ -306,11 +334,14 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         dh = activation_backward(h, da, activation=activation, gated=gated, interleaved=interleaved,
                                  alpha=alpha, limit=limit)
         if transposed:
-            d_w1[e] = xe.t() @ dh
+            d_w1[e] = x_in.t() @ dh
             dxe = dh @ w1s[e].t()
         else:
-            d_w1[e] = dh.t() @ xe
+            d_w1[e] = dh.t() @ x_in
             dxe = dh @ w1s[e]
+        if weight_on_input:  # dxe is the gradient of the expert input x * w
+            d_wts[pairs] = (dxe * xe).sum(dim=-1)
+            dxe = dxe * w_pair
         if d_b1 is not None:
             d_b1[e] = dh.sum(dim=0)
         if d_b2 is not None:

@@ -15,6 +15,9 @@ Routing families (see shared/moe-semantics.md):
   to choose) -> keep the best ``topk_group`` of ``n_group`` groups (group score =
   sum of its top-2) -> ``topk`` -> gather the unbiased scores -> renormalise ->
   scale. DeepSeek-V3, GLM4-MoE, Kimi, ...
+- ``topk_sigmoid`` (D): ``topk(logits)`` -> ``sigmoid`` of the k chosen logits
+  (fp32 when ``softmax_fp32``) -> optional renormalise -> scale. Llama4, whose
+  dense weight-on-input MoE also sets ``weight_on_input``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid")
 GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
 
@@ -36,12 +39,15 @@ class RoutingSpec:
         than the ``[E, H]`` router weight.
     router_fp32: logits are ``linear(x.float(), W.float())`` (DeepSeek-V3 keeps
         its router in fp32); otherwise they are computed in the input dtype.
-    softmax_fp32: softmax (A, B) runs on fp32 logits; otherwise in the logits'
-        dtype (GPT-OSS does its softmax in bf16).
+    softmax_fp32: softmax (A, B) / sigmoid (D) runs on fp32 logits; otherwise in
+        the logits' dtype (GPT-OSS does its softmax in bf16).
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
+    weight_on_input: the routing weight scales the expert's *input* instead of
+        its output (Llama4): expert k of token t runs on
+        ``(x[t] * w[t,k]).to(x.dtype)`` and the k outputs are summed unweighted.
 
     "fp32" in these flags means "at least fp32": HF's ``.float()`` upcasts bf16
     and fp16, while fp64 inputs stay fp64 (so fp64 gradcheck sees no fp32 rounding).
@@ -58,6 +64,7 @@ class RoutingSpec:
     n_group: int = 1
     topk_group: int = 1
     weights_fp32: bool = True
+    weight_on_input: bool = False
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:

@@ -12,6 +12,8 @@ from mok_compile.export import EXPERTS_FORMS, decompose_fused_moe, fused_moe_dec
 from mok_compile.export.decompose import is_fused_moe  # noqa: E402
 from mok_compile.ops.reference import fused_moe_reference  # noqa: E402
 
+from ..ops.moe_cases import CASES_BY_NAME, WEIGHT_ON_INPUT_CASES, make_args  # noqa: E402
+
 SIZES = hf_blocks.BlockSizes(hidden=32, intermediate=16, experts=8, top_k=2)
 
 
@@ -24,7 +26,7 @@ def _args(family, dtype, tokens=13):
 
 @pytest.mark.parametrize("form", EXPERTS_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", hf_blocks.FAMILIES)
+@pytest.mark.parametrize("family", hf_blocks.ALL_FAMILIES)
 def test_matches_reference(family, dtype, form):
     args, kw = _args(family, dtype)
     out, w, ids = fused_moe_decomposed(*args, experts_form=form, **kw)
@@ -47,6 +49,23 @@ def test_ungated_experts_and_omitted_defaults(form):
     out = fused_moe_decomposed(x, router, None, None, up, None, down, None, experts_form=form, **kw)
     ref = fused_moe_reference(x, router, None, None, up, None, down, None, **kw)
     torch.testing.assert_close(out[0], ref[0])
+
+
+@pytest.mark.parametrize("form", EXPERTS_FORMS)
+@pytest.mark.parametrize("case", WEIGHT_ON_INPUT_CASES + [CASES_BY_NAME["topk_sigmoid_renorm_scale_wdtype"]], ids=str)
+def test_weight_on_input_and_topk_sigmoid_match_reference(case, form):
+    """Every weight_on_input variant (biases, other routings, fp32 weights on bf16 input) and topk_sigmoid, in
+    the case's dtype and in fp64: same routing, and the output of the reference (bit for bit in fp64 up to
+    summation order)."""
+    for dtype in (case.dtype, torch.float64):
+        args, kw = make_args(case, T=9, dtype=dtype if dtype == torch.float64 else None)
+        out, w, ids = fused_moe_decomposed(*args, experts_form=form, **kw)
+        ref_out, ref_w, ref_ids = fused_moe_reference(*args, **kw)
+        assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
+        assert out.dtype == ref_out.dtype == args[0].dtype
+        tol = {torch.float64: dict(atol=1e-12, rtol=1e-12), torch.float32: dict(atol=1e-6, rtol=1e-5),
+               torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}[dtype]
+        torch.testing.assert_close(out, ref_out, **tol)
 
 
 def test_shapes_do_not_depend_on_routing():

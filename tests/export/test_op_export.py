@@ -88,15 +88,16 @@ def test_static_shapes_stay_static(mixtral):
     filecheck(text, "CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[5,32],f32>)")
 
 
-@pytest.mark.parametrize("dtype, weights_fp32, weights_type", [
-    (torch.float32, True, "f32"),
-    (torch.bfloat16, False, "bf16"),
-    (torch.bfloat16, True, "f32"),
-    (torch.float64, True, "f64"),
+@pytest.mark.parametrize("family, dtype, weights_fp32, weights_type", [
+    ("qwen3_moe", torch.float32, True, "f32"),
+    ("qwen3_moe", torch.bfloat16, False, "bf16"),
+    ("qwen3_moe", torch.bfloat16, True, "f32"),
+    ("qwen3_moe", torch.float64, True, "f64"),
+    ("llama4", torch.bfloat16, False, "bf16"),  # routing='topk_sigmoid', weight_on_input=True: the newest argument
 ])
-def test_abstract_interp_library_refines_erased_result_types(dtype, weights_fp32, weights_type):
+def test_abstract_interp_library_refines_erased_result_types(family, dtype, weights_fp32, weights_type):
     """Erase the op's result types; torch-mlir must infer them from our shape/dtype functions alone."""
-    moe = FusedMoE("qwen3_moe", dtype=dtype)
+    moe = FusedMoE(family, dtype=dtype)
     kw = {**moe.kw, "weights_fp32": weights_fp32}
 
     def fused_moe(x, router, gate_up_proj, down_proj):
@@ -155,6 +156,8 @@ def _library_file():
     ("deepseek_v3", "gather"),  # sigmoid + selection bias + group-limited top-k, fp32 router
     ("gpt_oss", "dense"),  # transposed + interleaved weights, biases, clamped SwiGLU, top-k -> softmax
     ("qwen2_moe", "gather"),  # weights cast to the input dtype
+    ("llama4", "gather"),  # top-k -> sigmoid, weight on the expert's input, unweighted sum, transposed weights
+    ("llama4", "dense"),
 ])
 def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
     """Form 2: no torch.operator left, linalg-on-tensors with a dynamic token dim, same numbers as the op."""
@@ -178,6 +181,16 @@ def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
         assert torch.equal(ids, ref_ids)
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+
+
+def test_abstract_interp_library_follows_the_schema():
+    """The shape/dtype functions take every argument of the registered schema, the trailing ones included."""
+    schema = torch.ops.mok.fused_moe.default._schema
+    assert schema.arguments[-1].name == "weight_on_input"
+    text = abstract_interp_library()
+    for fn in ("shape_fn", "dtype_fn"):
+        sig = re.search(rf'__torch_mlir_{fn}\.torch\.mok\.fused_moe"\((.*?)\) ->', text).group(1)
+        assert re.findall(r"%(\w+):", sig) == [a.name for a in schema.arguments]
 
 
 def test_decompose_false_with_a_linalg_output_is_an_error(mixtral):

@@ -70,6 +70,32 @@ ROUTING_CASES = [
          selection_bias=True, num_experts=8),
     Case("sigmoid_logits_groups", _r(routing="sigmoid_grouped_topk", router_is_logits=True, n_group=2, renormalize=True),
          selection_bias=True),
+    # topk_sigmoid (Llama4's router): sigmoid of the k chosen logits.
+    Case("topk_sigmoid", _r(routing="topk_sigmoid")),
+    Case("topk_sigmoid_renorm_scale_wdtype", _r(routing="topk_sigmoid", renormalize=True, routed_scale=1.5,
+                                                weights_fp32=False)),
+    Case("topk_sigmoid_bf16_sigmoid_logits", _r(routing="topk_sigmoid", router_is_logits=True, softmax_fp32=False,
+                                                weights_fp32=False), dtype=torch.bfloat16),
+]
+
+# weight_on_input: the routing weight scales each expert's input, the k outputs are summed unweighted.
+WEIGHT_ON_INPUT_CASES = [
+    Case("llama4_weight_on_input", _r(routing="topk_sigmoid", weights_fp32=False, weight_on_input=True),
+         ExpertSpec(transposed=True)),
+    Case("llama4_weight_on_input_bf16", _r(routing="topk_sigmoid", weights_fp32=False, weight_on_input=True),
+         ExpertSpec(transposed=True), dtype=torch.bfloat16),
+    # fp32 weights on bf16 input: the product is fp32, rounded to bf16 before the expert.
+    Case("weight_on_input_renorm_wfp32_bf16", _r(routing="topk_sigmoid", renormalize=True, weight_on_input=True),
+         dtype=torch.bfloat16),
+    Case("weight_on_input_renorm_scale_logits", _r(routing="topk_sigmoid", router_is_logits=True, renormalize=True,
+                                                   routed_scale=2.5, weight_on_input=True), ExpertSpec(transposed=True)),
+    # Other families and expert kinds with weight_on_input; biases make the expert non-homogeneous in its input.
+    Case("weight_on_input_softmax_topk_bias", _r(renormalize=True, weight_on_input=True), expert_bias=True),
+    Case("weight_on_input_gpt_oss_experts", _r(routing="topk_softmax", weight_on_input=True),
+         ExpertSpec(**_CLAMPED, interleaved=True, transposed=True), router_bias=True, expert_bias=True),
+    Case("weight_on_input_sigmoid_groups_relu2",
+         _r(routing="sigmoid_grouped_topk", n_group=2, renormalize=True, weight_on_input=True),
+         ExpertSpec(activation="relu2", gated=False), selection_bias=True),
 ]
 
 EXPERT_CASES = [
@@ -90,7 +116,7 @@ EXPERT_CASES = [
     Case("ungated_gelu_tanh", _r(), ExpertSpec(activation="gelu_tanh", gated=False)),
 ]
 
-CASES = ROUTING_CASES + EXPERT_CASES
+CASES = ROUTING_CASES + WEIGHT_ON_INPUT_CASES + EXPERT_CASES
 CASES_BY_NAME = {c.name: c for c in CASES}
 
 
@@ -203,6 +229,9 @@ def dense_oracle(args, kwargs):
             chosen = _largest(logits, K)
             z = torch.exp(logits[chosen] - logits[chosen].max())
             w = z / z.sum()
+        elif kw["routing"] == "topk_sigmoid":
+            chosen = _largest(logits, K)
+            w = _sigmoid(logits[chosen])
         else:
             s = _sigmoid(logits)
             c = s if selection_bias is None else s + selection_bias
@@ -220,14 +249,15 @@ def dense_oracle(args, kwargs):
         w = w * kw["routed_scale"]
         y = torch.zeros_like(x[t])
         for k, e in enumerate(chosen):
-            h = x[t] @ gate_up[e] if spec.transposed else gate_up[e] @ x[t]
+            xin = x[t] * w[k] if kw["weight_on_input"] else x[t]  # Llama4: the weight scales the input
+            h = xin @ gate_up[e] if spec.transposed else gate_up[e] @ xin
             if gate_up_bias is not None:
                 h = h + gate_up_bias[e]
             a = _activation(h, spec, I)
             o = a @ down[e] if spec.transposed else down[e] @ a
             if down_bias is not None:
                 o = o + down_bias[e]
-            y = y + w[k] * o
+            y = y + (o if kw["weight_on_input"] else w[k] * o)
             weights[(t, e)] = w[k]
         outs.append(y)
     out = torch.stack(outs) if outs else x.new_zeros(0, H)

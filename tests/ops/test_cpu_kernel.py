@@ -28,6 +28,15 @@ ROUTINGS = {
     "sigmoid_deepseek_v3": dict(top_k=3, routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True,
                                 renorm_eps=1e-20, routed_scale=2.5, n_group=2, topk_group=1),
     "sigmoid_ungrouped_wdtype": dict(top_k=2, routing="sigmoid_grouped_topk", weights_fp32=False),
+    "topk_sigmoid_renorm": dict(top_k=2, routing="topk_sigmoid", renormalize=True, routed_scale=1.5),
+    # weight_on_input: rows scaled by their routing weight before the first GEMM, unweighted combine.
+    "topk_sigmoid_llama4": dict(top_k=1, routing="topk_sigmoid", weights_fp32=False, weight_on_input=True),
+    "topk_sigmoid_weight_on_input_k3_renorm": dict(top_k=3, routing="topk_sigmoid", renormalize=True,
+                                                   weight_on_input=True),
+    "topk_sigmoid_weight_on_input_logits_bf16_sigmoid": dict(top_k=2, routing="topk_sigmoid", router_is_logits=True,
+                                                             softmax_fp32=False, weights_fp32=False,
+                                                             weight_on_input=True),
+    "softmax_topk_weight_on_input_wdtype": dict(top_k=2, routed_scale=2.0, weights_fp32=False, weight_on_input=True),
 }
 # Which routings get a router bias / selection bias (as in GPT-OSS / DeepSeek-V3).
 ROUTER_BIAS = {"topk_softmax_gpt_oss", "sigmoid_ungrouped_wdtype"}
@@ -178,6 +187,8 @@ PARALLEL_CASES = [
     ("topk_softmax_gpt_oss", "clamped_silu_interleaved", True, True, torch.float32),
     ("sigmoid_deepseek_v3", "gelu_tanh_concat", False, True, torch.bfloat16),
     ("softmax_topk_scaled_wdtype", "relu2_ungated", True, False, torch.bfloat16),
+    ("topk_sigmoid_weight_on_input_k3_renorm", "silu_concat", True, False, torch.float32),
+    ("topk_sigmoid_weight_on_input_k3_renorm", "silu_concat", True, True, torch.bfloat16),
 ]
 
 

@@ -202,3 +202,110 @@ def test_bf16_grads_as_accurate_as_hf(family):
         err_hf, err_op = _rel(hf[name], g), _rel(op[name], g)
         assert err_op <= 1.5 * err_hf, f"grad {name}: op error {err_op:.2e} vs HF bf16 error {err_hf:.2e}"
         assert err_op <= 1e-2, f"grad {name}: op error {err_op:.2e}"
+
+
+# ----------------------------------------------------------------------------- Llama4 (weight on input)
+#
+# Llama4TextMoe runs every expert on every token, on the input times the router's sigmoid score (0 for experts
+# outside the top-k, whose output is then exactly 0), and sums over experts. The op computes the same with
+# routing="topk_sigmoid", weight_on_input=True on the routed pairs only; the shared expert stays outside.
+
+
+def _llama4_block(dtype=torch.float32, top_k=1):
+    block = hf_blocks.make_block("llama4", hf_blocks.BlockSizes(top_k=top_k))
+    hf_blocks.init_moe_weights_(block, std=0.2, seed=1)
+    return block.to(dtype)
+
+
+def _llama4_hf(block, x):
+    """Llama4TextMoe's hidden-state output ([T, H], flattened by HF) in x's shape."""
+    return (block(x)[0].view(x.shape),)
+
+
+def _llama4_op_call(block, x2, router_is_logits=False):
+    tensors, kw = hf_blocks.op_arguments("llama4", block)
+    if router_is_logits:
+        tensors = (block.router(x2)[1], None) + tensors[2:]
+        kw = {**kw, "router_is_logits": True}
+    return torch.ops.mok.fused_moe(x2, *tensors, **kw)
+
+
+def _llama4_with_op(block, x, router_is_logits=False):
+    """Llama4TextMoe's hidden-state output with router + routed experts replaced by the op."""
+    x2 = x.reshape(-1, x.shape[-1])
+    routed, _, _ = _llama4_op_call(block, x2, router_is_logits)
+    out = block.shared_expert(x2) + routed  # HF: shared_expert(x).add_(routed)
+    return (out.view(x.shape),)
+
+
+def _check_llama4_routing(block, x, router_is_logits):
+    """The op picks HF's experts with HF's scores (the chosen entries of Llama4Router's scores), bit for bit."""
+    x2 = x.reshape(-1, x.shape[-1])
+    with torch.no_grad():
+        scores, logits = block.router(x2)
+        _, op_w, op_ids = _llama4_op_call(block, x2, router_is_logits)
+    hf_ids = torch.topk(logits, block.top_k, dim=-1)[1]
+    assert torch.equal(op_ids, hf_ids), "the op routes tokens to other experts than HF"
+    hf_w = scores.gather(1, hf_ids)
+    assert op_w.dtype == hf_w.dtype == x.dtype
+    assert torch.equal(op_w, hf_w)
+    # Every other expert gets score 0 in HF (sigmoid(-inf)): they contribute nothing there.
+    assert scores.sum(-1).sub(hf_w.sum(-1)).abs().max() == 0
+
+
+@pytest.mark.parametrize("router_form", ["weight", "logits"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_fp32_outputs_routing_and_grads(top_k, router_form):
+    block = _llama4_block(top_k=top_k)
+    x, probes = _inputs(torch.float32)
+    x.requires_grad_()
+    want = _llama4_hf(block, x)
+    got = _llama4_with_op(block, x, router_is_logits=router_form == "logits")
+    _check_llama4_routing(block, x, router_form == "logits")
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5 * want[0].abs().max().item())
+
+    grads_op, grads_hf = _grads(got, probes, x, block), _grads(want, probes, x, block)
+    assert {"router.weight", "experts.gate_up_proj", "experts.down_proj"} <= set(grads_hf)
+    for name, g_hf in grads_hf.items():
+        assert g_hf.norm() > 1e-3 * grads_hf["hidden_states"].norm(), f"grad {name} is negligible: test is vacuous"
+        assert _rel(grads_op[name], g_hf) <= 1e-5, f"grad {name}: rel err {_rel(grads_op[name], g_hf):.2e}"
+
+
+@pytest.mark.parametrize("router_form", ["weight", "logits"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_bf16_outputs_bitwise(top_k, router_form):
+    """In bf16 the op reproduces Llama4TextMoe bit for bit: same routing ops, the same rounding of x * score,
+    and a sum over at most two nonzero expert outputs (HF's other terms are exact zeros)."""
+    block = _llama4_block(torch.bfloat16, top_k=top_k)
+    x, _ = _inputs(torch.bfloat16)
+    with torch.no_grad():
+        want = _llama4_hf(block, x)[0]
+        got = _llama4_with_op(block, x, router_is_logits=router_form == "logits")[0]
+    _check_llama4_routing(block, x, router_form == "logits")
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want), f"max |op - HF| = {(got.float() - want.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_bf16_grads_as_accurate_as_hf(top_k):
+    """bf16 gradients no worse than HF's own bf16 autograd, judged against the HF block in fp64."""
+    block = _llama4_block(torch.bfloat16, top_k=top_k)
+    truth_block = copy.deepcopy(block).double()
+    x, _ = _inputs(torch.bfloat16, tokens=64)
+    with torch.no_grad():  # keep tokens whose routing does not flip between bf16 and fp64 rounding
+        ids16 = torch.topk(block.router(x[0])[1], top_k, dim=-1)[1].sort(-1)[0]
+        ids64 = torch.topk(truth_block.router(x[0].double())[1], top_k, dim=-1)[1].sort(-1)[0]
+    keep = (ids16 == ids64).all(-1)
+    assert keep.sum() >= 48, f"only {keep.sum()} tokens route the same in bf16 and fp64"
+    x = x[:, keep].contiguous()
+    _, probes = _inputs(torch.bfloat16, tokens=x.shape[1], seed=1)
+
+    x16, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    truth = _grads(_llama4_hf(truth_block, x64), probes, x64, truth_block)
+    hf = _grads(_llama4_hf(block, x16), probes, x16, block)
+    op = _grads(_llama4_with_op(block, x16), probes, x16, block)
+    for name, g in truth.items():
+        err_hf, err_op = _rel(hf[name], g), _rel(op[name], g)
+        assert err_op <= 1.5 * err_hf, f"grad {name}: op error {err_op:.2e} vs HF bf16 error {err_hf:.2e}"
+        assert err_op <= 1e-2, f"grad {name}: op error {err_op:.2e}"

@@ -20,7 +20,8 @@ from .moe_cases import (ARG_NAMES, CASES_BY_NAME, DIFFERENTIABLE, Case, dense_or
 fused_moe = torch.ops.mok.fused_moe.default
 
 EDGE_CASES = [CASES_BY_NAME[n] for n in ("softmax_topk_renorm_scale_wdtype", "topk_softmax_logits",
-                                         "sigmoid_deepseek_v3", "clamped_silu_gpt_oss", "relu2_transposed_bias")]
+                                         "sigmoid_deepseek_v3", "clamped_silu_gpt_oss", "relu2_transposed_bias",
+                                         "llama4_weight_on_input", "weight_on_input_softmax_topk_bias")]
 
 
 def _present(args):
@@ -139,6 +140,8 @@ def test_experts_without_tokens_get_zero_grad(case):
     Case("topk_softmax_all", RoutingSpec(top_k=4, routing="topk_softmax"), ExpertSpec(activation="gelu_tanh")),
     Case("sigmoid_groups_all", RoutingSpec(top_k=4, routing="sigmoid_grouped_topk", n_group=2, topk_group=2,
                                            renormalize=True, routed_scale=2.0), selection_bias=True),
+    Case("topk_sigmoid_weight_on_input_all", RoutingSpec(top_k=4, routing="topk_sigmoid", renormalize=True,
+                                                         weight_on_input=True), ExpertSpec(transposed=True)),
 ], ids=str)
 def test_top_k_equals_num_experts(case):
     args, kw = make_args(case, dtype=torch.float64, requires_grad=True)
@@ -165,7 +168,8 @@ def _strided_copy(t: torch.Tensor, how: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("how", ["transpose", "slice"])
 @pytest.mark.parametrize("case", [CASES_BY_NAME[n] for n in ("clamped_silu_gpt_oss", "sigmoid_logits_groups",
-                                                              "sigmoid_deepseek_v3", "relu2")], ids=str)
+                                                              "sigmoid_deepseek_v3", "relu2",
+                                                              "weight_on_input_renorm_scale_logits")], ids=str)
 def test_non_contiguous_inputs(case, how):
     args, kw = make_args(case, T=7)
     base = [None if a is None else a.clone().requires_grad_(i in DIFFERENTIABLE) for i, a in enumerate(args)]
@@ -181,7 +185,8 @@ def test_non_contiguous_inputs(case, how):
 
 
 @pytest.mark.parametrize("case", [CASES_BY_NAME[n] for n in ("softmax_topk_renorm_scale_wdtype", "topk_softmax",
-                                                              "sigmoid_4_groups_keep_2", "clamped_silu_gpt_oss")],
+                                                              "sigmoid_4_groups_keep_2", "clamped_silu_gpt_oss",
+                                                              "llama4_weight_on_input")],
                          ids=str)
 def test_fp16(case):
     """fp16 runs, keeps HF's dtypes, and is as close to the fp64 oracle as fp16 allows."""
@@ -248,6 +253,8 @@ BAD_TENSORS = [
     ("sigmoid_deepseek_v3", "selection_bias", lambda t: t[:3], r"selection_bias must have shape \[4\]"),
     ("sigmoid_deepseek_v3", "selection_bias", lambda t: t.to(torch.int64), r"selection_bias has unsupported dtype"),
     ("softmax_topk", "selection_bias", lambda _: torch.zeros(4), r"selection_bias is only supported with"),
+    ("llama4_weight_on_input", "selection_bias", lambda _: torch.zeros(4),
+     r"selection_bias is only supported with routing='sigmoid_grouped_topk', got routing='topk_sigmoid'"),
 ]
 
 
@@ -279,6 +286,8 @@ def test_wrong_layout_flag_is_caught(transposed):
     (dict(activation="swish"), r"activation='swish' is not supported for gated experts"),
     (dict(activation="relu2"), r"activation='relu2' is not supported for gated experts"),
     (dict(n_group=2), r"n_group=2 \(group-limited routing\) is only supported with routing='sigmoid_grouped_topk'"),
+    (dict(routing="topk_sigmoid", n_group=2, topk_group=1),
+     r"n_group=2 \(group-limited routing\) is only supported with routing='sigmoid_grouped_topk'"),
 ], ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_bad_scalar_names_the_argument(changes, match):
     args, kw = _bad()
