@@ -31,7 +31,7 @@ from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
 from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, op_name, tensor_meta
-from .region import NoMatch, Region, is_id_mask_fill, same
+from .region import NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
 
 
@@ -150,6 +150,55 @@ def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, e
                 raise NoMatch(f"routing weights go through {op_name(n)!r} ({n.name}) before they are applied")
 
 
+def check_input_weight_application(flow: Dataflow, region: Region, scores: fx.Node, m1: fx.Node, m2: fx.Node):
+    """Dense weight-on-input experts (Llama4)::
+
+        scores [T, E] ─(layout)─┐
+        x ─ repeat(E, 1) ───────┴─ mul ─(layout)─> bmm/matmul(W1) ... bmm/matmul(W2) ─(layout)─ sum(dim=0) ─> out
+
+    The scores (zero for unchosen experts) meet the activations once, as a product with the input repeated once
+    per expert, before the first projection; after the second projection there is only a sum over the expert
+    dimension. Which score goes with which row (the transpose/reshape) is for the probe to prove."""
+    inside = region.nodes
+    wf = flow.forward_slice([scores], within=inside) - {scores}
+    activations = flow.forward_slice([region.root], within=inside)  # root and what depends on it
+    joins = [n for n in wf if any(a not in wf and a is not scores and a in activations for a in n.all_input_nodes)]
+    if len(joins) != 1 or op_name(joins[0]) != "mul":
+        raise NoMatch("dense routing scores are not applied as one product with the expert input", form="dense_bmm")
+    join = joins[0]
+    w_side = flow.backward_slice([a for a in join.all_input_nodes if a in wf or a is scores],
+                                 stop=lambda n: n is scores or n not in inside) & inside - {scores}
+    if any(op_name(n) not in LAYOUT_OPS_NAMES for n in w_side):
+        raise NoMatch("dense routing scores go through more than layout ops before they scale the expert input",
+                      form="dense_bmm")
+    others = [a for a in join.all_input_nodes if a not in wf and a is not scores and a in activations]
+    rep = strip(others[0], LAYOUT_OPS_NAMES) if len(others) == 1 else None
+    E = region.E
+    if (rep is None or op_name(rep) != "repeat" or strip(rep.args[0], LAYOUT_OPS_NAMES) is not region.root
+            or len(rep.args) != 3 or not same(rep.args[1], E) or rep.args[2] != 1):
+        raise NoMatch("dense routing scores do not scale the hidden states repeated once per expert",
+                      form="dense_bmm")
+    after_join = flow.forward_slice([join], within=inside)
+    if m1 not in after_join:
+        raise NoMatch("dense routing scores are not applied to the expert input", form="dense_bmm")
+    if wf - after_join - w_side:
+        raise NoMatch("dense routing scores are used elsewhere in the block", form="dense_bmm")
+    to_m1 = (after_join & flow.backward_slice([m1], stop=lambda n: n not in inside)) - {join, m1}
+    if any(op_name(n) not in LAYOUT_OPS_NAMES for n in to_m1):
+        raise NoMatch("the score-weighted input goes through more than layout ops before the first projection",
+                      form="dense_bmm")
+    tail = flow.forward_slice([m2], within=inside) - {m2}
+    sums = [n for n in tail if op_name(n) == "sum"]
+    if len(sums) != 1 or any(op_name(n) not in LAYOUT_OPS_NAMES for n in tail - set(sums)):
+        raise NoMatch("the experts' outputs are not just summed over the expert dimension", form="dense_bmm")
+    s = sums[0]
+    src = tensor_meta(s.args[0])
+    dim = arg(s, 1, "dim")
+    if (src is None or src.dim() != 3 or not same(src.shape[0], E) or dim not in (0, -3, (0,), (-3,), [0], [-3])
+            or arg(s, 2, "keepdim", False) or "dtype" in s.kwargs or region.out not in tail | {s}):
+        raise NoMatch("the experts' outputs are not summed over the expert dimension", form="dense_bmm")
+
+
 def region_form(region: Region) -> str:
     """Name of the experts form, for reports: grouped_mm, grouped_mm_fallback, batched_mm, index_add, module_loop."""
     matmuls = [n for n in region.nodes if op_name(n) in MATMUL_OPS and n is not region.router_linear]
@@ -218,10 +267,18 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
         raise NoMatch(f"expert weight shapes {tuple(tensor_meta(gate_up).shape)} / {tuple(tensor_meta(down).shape)} "
                       f"do not fit hidden size {H}")
     expert_path = between | {m1, m2}
-    check_weight_application(flow, region, router.weights, expert_path, [m2])
+    form = region_form(region)
+    if router.spec.weight_on_input:
+        if bias_role:
+            raise NoMatch("dense weight-on-input experts have a bias: an unchosen expert (zero input) would still "
+                          "contribute", form="dense_bmm")
+        check_input_weight_application(flow, region, router.weights, m1, m2)
+        form = "dense_bmm"
+    else:
+        check_weight_application(flow, region, router.weights, expert_path, [m2])
     specs = [ExpertSpec(activation=act, gated=gated, interleaved=interleaved, transposed=t, alpha=alpha, limit=limit)
              for t, _ in layouts]
-    return ExpertsMatch(form=region_form(region), gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
+    return ExpertsMatch(form=form, gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
                         down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs)
 
 

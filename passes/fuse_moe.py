@@ -155,7 +155,10 @@ def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport, probe_cache:
     report.routing = router.spec
     experts = match_experts(flow, region, router)
     report.form, report.intermediate = experts.form, experts.intermediate
-    plan = plan_rewrite(flow, region, router.weights, _expert_inputs(experts))
+    # Dense weight-on-input routing (Llama4): the graph's weights are [T, E] scores, not the op's [T, K] weights;
+    # if something outside the block reads them, they stay in the graph (never replaced by the op's output).
+    exportable = None if router.spec.weight_on_input else router.weights
+    plan = plan_rewrite(flow, region, exportable, _expert_inputs(experts))
     routing = router.spec
     router_arg, router_bias = router.weight, router.bias
     if plan.router_is_logits:

@@ -7,6 +7,9 @@
     experts (any form: grouped_mm, W[ids] + bmm, per-expert Linear loops, masks)  <── ids, x
         y_e ──> w * y_e ──> combine (sum over k, index_add_, +=) ──> out [T, H] (or root's shape)
 
+Llama4's dense form (every expert runs on the input scaled by a -inf-scattered sigmoid score, outputs summed
+over the expert dimension) has the same anchor and region; `routing` and `experts` recognise it.
+
 The anchor is a ``topk`` whose indices dispatch to experts: within the nodes
 reading them (not walking through a later ``topk``) there is a grouped matmul,
 an index of a 3-D tensor, a ``one_hot`` or an ``ids == e`` comparison. The
@@ -51,6 +54,7 @@ KNOWN_OPS = frozenset({
     "bool", "setitem", "index_add", "index_select", "one_hot", "where", "eq", "ne", "any", "size", "sym_size",
     "stack", "cat", "scatter_add", "index_put", "long", "int", "nonzero", "select", "narrow",
     "squeeze_", "getattr", "neg", "ge", "gt", "le", "lt",
+    "full_like", "repeat",  # dense weight-on-input routing (Llama4): -inf scatter of the top-k, repeated input
 })
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.
@@ -303,11 +307,6 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
     output feeds another block directly (no residual in between) is not swallowed into one region with it.
     """
     router_linear, logits = find_router(topk)
-    for u in ids.users:
-        if op_name(u) == "scatter" and op_name(u.args[0]) in ("full_like", "full", "zeros_like", "zeros"):
-            raise NoMatch("dense routing (Llama4 style: the top-k scores are scattered into a [tokens, experts] "
-                          "matrix and every expert runs on score-weighted inputs) is not supported by the fused op",
-                          form="dense_bmm")
     lmeta = tensor_meta(logits)
     x = strip(router_linear.args[0], CAST_OPS)
     x_meta = tensor_meta(x)

@@ -5,6 +5,10 @@
     C  logits(fp32) ─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
        scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) ─[/ (sum + eps)]─[* scale]─> w
 
+    D  logits ─ topk ─> top, ids;  full_like(logits, -inf).scatter(1, ids, top) ─(float)─ sigmoid ─[cast]─> s [T, E]
+       (Llama4: dense weight-on-input; `s` scales a repeated input of every expert, see
+       `experts.check_input_weight_application`; unchosen experts get sigmoid(-inf) = 0)
+
 Anything else on these chains (a clamp-min renormalisation, a bias used for
 the weights, a softmax in another dimension) is reported, not guessed.
 """
@@ -28,7 +32,7 @@ class RouterMatch:
     weight: fx.Node                 # router weight [E, H]
     bias: fx.Node | None            # router bias [E]
     selection_bias: fx.Node | None  # C: bias used only to choose experts
-    weights: fx.Node                # final routing weights [T, K] as the experts use them
+    weights: fx.Node                # final routing weights [T, K] as the experts use them ([T, E] for D)
 
 
 def _is_last_dim(dim, ndim: int) -> bool:
@@ -121,6 +125,16 @@ def match_router(region: Region) -> RouterMatch:
             raise NoMatch("group-limited selection is only supported with sigmoid routing")
         n_group, topk_group = _group_limit(region, masked, E)
 
+    if routing is None and selection_bias is None and masked is None:
+        dense = _dense_sigmoid_scores(region)
+        if dense is not None:
+            w, softmax_fp32 = dense
+            # weights_fp32: the dense scores stay in an upcast dtype (otherwise cast back to the input dtype).
+            weights_fp32 = tensor_meta(w).dtype != x_dtype and tensor_meta(w).dtype in (torch.float32, torch.float64)
+            spec = RoutingSpec(top_k=K, routing="topk_sigmoid", router_fp32=router_fp32, softmax_fp32=softmax_fp32,
+                               weights_fp32=weights_fp32, weight_on_input=True)
+            return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
+
     # The unnormalised top-k weights.
     if routing == "sigmoid_grouped_topk":
         gathers = [u for u in region.ids.users if op_name(u) == "gather" and u in region.nodes]
@@ -173,3 +187,39 @@ def match_router(region: Region) -> RouterMatch:
                        renormalize=renormalize, renorm_eps=eps, routed_scale=scale, n_group=n_group,
                        topk_group=topk_group, weights_fp32=weights_fp32)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
+
+
+def _dense_sigmoid_scores(region: Region) -> tuple[fx.Node, bool] | None:
+    """(scores [T, E], sigmoid in fp32) for D: ``sigmoid(full_like(logits, -inf).scatter(1, ids, top))`` with
+    only casts around the sigmoid; None when the top-k values do not go into such a scatter (not form D).
+    NoMatch when they do but the dense matrix is not exactly that (e.g. a fill other than -inf: then the
+    unchosen experts would get a nonzero weight)."""
+    values = getitem_users(region.topk, 0)
+    if len(values) != 1:
+        return None
+    scatter = _single_user(values[0], region)
+    if scatter is None or op_name(scatter) != "scatter":
+        return None
+    base, dim, index, src = (arg(scatter, 0, "self"), arg(scatter, 1, "dim"), arg(scatter, 2, "index"),
+                             arg(scatter, 3, "src"))
+    if len(scatter.args) > 4 or set(scatter.kwargs) - {"dim", "index", "src"}:
+        raise NoMatch("dense routing scatters the top-k scores with a reduction")
+    if index is not region.ids or src is not values[0] or dim not in (1, -1):
+        raise NoMatch("dense routing does not scatter the top-k values at the top-k ids of each token")
+    fill = arg(base, 1, "fill_value") if isinstance(base, fx.Node) else None
+    if (not isinstance(base, fx.Node) or op_name(base) != "full_like" or base.args[0] is not region.logits
+            or not isinstance(fill, float) or fill != float("-inf") or set(base.kwargs) - {"fill_value"}
+            or len(base.users) != 1):
+        raise NoMatch("dense routing: the unchosen experts' scores are not -inf before the sigmoid (so they would "
+                      "get a nonzero weight)")
+    n = scatter
+    while (u := _single_user(n, region)) is not None and op_name(u) in CAST_OPS and u.args[0] is n:
+        n = u
+    sig = _single_user(n, region)
+    if sig is None or op_name(sig) != "sigmoid" or sig.args[0] is not n:
+        raise NoMatch("dense routing scores are not the sigmoid of the scattered top-k logits")
+    sigmoid_fp32 = tensor_meta(sig).dtype in (torch.float32, torch.float64)
+    w = sig
+    while (u := _single_user(w, region)) is not None and op_name(u) in CAST_OPS and u.args[0] is w:
+        w = u
+    return w, sigmoid_fp32

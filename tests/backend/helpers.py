@@ -17,8 +17,8 @@ def tiny_model(family: str, dtype=torch.float32, **overrides):
 
 
 def tiny_llama4(dtype=torch.float32):
-    """Llama4 text model, every layer MoE: dense routing (sigmoid score on the input, every expert runs), which
-    the fused op does not implement, plus an ungated shared expert."""
+    """Llama4 text model, every layer MoE: dense routing (sigmoid score on the input, every expert runs; the op's
+    weight_on_input form), plus a shared expert outside the op."""
     import transformers
 
     cfg = transformers.Llama4TextConfig(

@@ -244,3 +244,50 @@ class ActivationMaskMoE(SentinelMaskMoE):
 
     def dropped(self, slot_expert, slot_x):
         return (slot_x > 2.5).any(dim=-1, keepdim=True)
+
+
+class DenseScaledInputMoE(nn.Module):
+    """Llama4-like dense routing written from scratch (own names, shared MLP on the side): the top-k logits are
+    scattered into a -inf [T, E] matrix, its sigmoid scales the input repeated once per expert, every expert runs
+    (bmm over stacked [E, H, 2I] / [E, I, H] weights) and the outputs are summed over the expert dimension.
+    Equal to a sparse MoE with the weight applied on the input.
+
+    Near-miss variants (`variant`):
+    - "zero_fill": the scores are scattered into zeros, so sigmoid gives every unchosen expert weight 0.5;
+    - "scores_after": the dense scores scale the experts' outputs, sigmoid(0) = 0.5 weighting of the unchosen
+      experts included (zero fill), instead of their inputs;
+    - "scores_twice": the scores scale the experts' inputs and again their outputs;
+    - "expert_bias": the first projection has a bias, so an unchosen expert (zero input) still contributes.
+    """
+
+    def __init__(self, hidden=32, inter=16, experts=4, top_k=2, variant=None):
+        super().__init__()
+        self.top_k, self.num_experts, self.variant = top_k, experts, variant
+        self.proj_score = nn.Parameter(torch.randn(experts, hidden) * 0.5)
+        self.w_in = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, inter, hidden) / inter ** 0.5)
+        self.b_in = nn.Parameter(torch.randn(experts, 2 * inter)) if variant == "expert_bias" else None
+        self.side = SwiGLUExpert(hidden, inter)
+
+    def forward(self, hidden_states):
+        B, S, H = hidden_states.shape
+        x = hidden_states.reshape(-1, H)
+        logits = F.linear(x, self.proj_score)
+        top, idx = torch.topk(logits, self.top_k, dim=1)
+        fill = 0.0 if self.variant in ("zero_fill", "scores_after") else float("-inf")
+        scores = torch.full_like(logits, fill).scatter_(1, idx, top)
+        scores = torch.sigmoid(scores.float()).to(x.dtype)
+        if self.variant == "scores_after":
+            xin = x.repeat(self.num_experts, 1).view(self.num_experts, -1, H)
+        else:
+            xin = (x.repeat(self.num_experts, 1) * scores.transpose(0, 1).reshape(-1, 1)).view(self.num_experts, -1, H)
+        h = torch.bmm(xin, self.w_in)
+        if self.b_in is not None:
+            h = h + self.b_in.unsqueeze(1)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(up * F.silu(gate), self.w_out)
+        if self.variant in ("scores_after", "scores_twice"):
+            y = y * scores.transpose(0, 1).unsqueeze(-1)
+        out = self.side(x)
+        out.add_(y.reshape(self.num_experts, -1, H).sum(dim=0))
+        return out.view(B, S, H)

@@ -161,3 +161,74 @@ def test_chained_blocks_are_separate_regions():
     assert [(b.fused, b.form) for b in report.blocks] == [(True, "batched_mm")] * 3, str(report)
     assert count_fused(gm) == 3
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_dense_weight_on_input_from_scratch(top_k):
+    """Llama4's dense weight-on-input form without transformers: fused by structure, the side MLP and its
+    in-place add of the routed sum stay outside the op."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.DenseScaledInputMoE(top_k=top_k), torch.randn(2, 5, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "dense_bmm")], str(report)
+    spec = report.blocks[0].routing
+    assert (spec.routing, spec.weight_on_input, spec.top_k) == ("topk_sigmoid", True, top_k)
+    assert report.blocks[0].experts.transposed and report.blocks[0].experts.activation == "silu"
+    assert count_fused(gm) == 1
+    ops = ops_in(gm)
+    assert not any(op in ("repeat", "scatter_") or "bmm" in op or "topk" in op for op in ops), gm.code
+    assert "add_" in ops, gm.code  # the side MLP's output still receives the routed sum in place
+    torch.testing.assert_close(_first(run(gm, example)), eager, **TOL)
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ("zero_fill", "-inf"),
+    ("scores_after", None),  # the ids reach no expert matmul: not even a candidate block
+    ("scores_twice", "used elsewhere"),
+    ("expert_bias", "bias"),
+])
+def test_dense_weight_on_input_near_misses(variant, reason):
+    """Look-alikes of the dense form that are not a sparse weight-on-input MoE: not fused, graph unchanged."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.DenseScaledInputMoE(variant=variant), torch.randn(2, 5, 32))
+    assert not report.fused, str(report)
+    if reason is not None:
+        assert [b.fused for b in report.blocks] == [False], str(report)
+        assert reason in report.blocks[0].reason, report.blocks[0].reason
+    assert count_fused(gm) == 0
+    torch.testing.assert_close(_first(run(gm, example)), eager, atol=0, rtol=0)
+
+
+def test_dense_weight_on_input_wrong_score_layout_fails_the_probe():
+    """The structure fits, but the scores are transposed wrongly (token-major instead of expert-major rows), so
+    expert e of token t gets another pair's score: only the probe can tell, and it must refuse."""
+
+    class Misaligned(models.DenseScaledInputMoE):
+        def forward(self, hidden_states):
+            B, S, H = hidden_states.shape
+            x = hidden_states.reshape(-1, H)
+            logits = F.linear(x, self.proj_score)
+            top, idx = torch.topk(logits, self.top_k, dim=1)
+            scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, idx, top).float()).to(x.dtype)
+            xin = (x.repeat(self.num_experts, 1) * scores.reshape(-1, 1)).view(self.num_experts, -1, H)
+            gate, up = torch.bmm(xin, self.w_in).chunk(2, dim=-1)
+            y = torch.bmm(up * F.silu(gate), self.w_out)
+            return (self.side(x) + y.reshape(self.num_experts, -1, H).sum(dim=0)).view(B, S, H)
+
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(Misaligned(), torch.randn(2, 5, 32))
+    assert [b.fused for b in report.blocks] == [False], str(report)
+    assert "probe" in report.blocks[0].reason, report.blocks[0].reason
+    torch.testing.assert_close(_first(run(gm, example)), eager, atol=0, rtol=0)
+
+
+def test_dense_weight_on_input_dynamic_tokens():
+    """dynamic=True: the dense form fuses with a symbolic token count (repeat/view sizes stay symbolic)."""
+    torch.manual_seed(0)
+    module = models.DenseScaledInputMoE(top_k=2).eval()
+    (graph,), eager = capture(module, torch.randn(2, 5, 32), dynamic=True)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "dense_bmm")], str(report)
+    op, = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert isinstance(op.meta["val"][0].shape[0], torch.SymInt)
+    torch.testing.assert_close(_first(run(gm, example)), eager, **TOL)

@@ -140,22 +140,44 @@ def test_deepseek_v3_model_keeps_shared_experts_outside():
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.bfloat16])
 
 
+LLAMA4_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=0, rtol=0)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-def test_llama4_dense_routing_reported_not_fused(impl):
+def test_llama4_dense_weight_on_input_block_fused(impl, top_k, dtype):
+    """Llama4TextMoe: dense routing (-inf scatter of the top-k logits, sigmoid, scores on the repeated input, every
+    expert runs, sum over experts) is one fused op with weight_on_input; the shared expert and its in-place add of
+    the routed sum stay outside. bf16: the reference reproduces HF bitwise (same products, same rounding)."""
     import transformers as tf
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
-    config = tf.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=1,
+    from mok_compile.ops.spec import ExpertSpec, RoutingSpec
+
+    config = tf.Llama4TextConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=top_k,
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     config._experts_implementation = impl
-    block = init_moe_weights_(Llama4TextMoe(config)).eval()
-    (graph,), eager = capture(block, torch.randn(2, 5, 64))
+    torch.manual_seed(0)
+    block = init_moe_weights_(Llama4TextMoe(config)).to(dtype).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
     gm, example = graph
     report = fuse_moe(gm, example)
-    assert [(b.fused, b.form) for b in report.blocks] == [(False, "dense_bmm")], str(report)
-    assert "Llama4" in report.blocks[0].reason and counters["mok"]["rejected_moe"] == 1
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "dense_bmm")], str(report)
+    assert counters["mok"]["fused_moe"] == 1 and counters["mok"]["rejected_moe"] == 0
+    assert count_fused(gm) == 1
+    b = report.blocks[0]
+    assert (b.num_experts, b.top_k, b.hidden, b.intermediate) == (8, top_k, 64, 32)
+    # The block returns its router logits: they stay in the graph and feed the op.
+    assert b.routing == RoutingSpec(top_k=top_k, routing="topk_sigmoid", router_is_logits=True, softmax_fp32=True,
+                                    weights_fp32=False, weight_on_input=True)
+    assert b.experts == ExpertSpec(activation="silu", transposed=True)
+    ops = ops_in(gm)
+    assert not any(op in ("repeat", "scatter_") or "bmm" in op or "topk" in op for op in ops), gm.code
+    assert "add_" in ops, gm.code  # shared expert output += routed sum (now the op's output)
     out = run(gm, example)
-    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    torch.testing.assert_close(out[0], eager[0], **LLAMA4_TOL[dtype])
+    assert torch.equal(out[1], eager[1])  # router logits
 
 
 class _LinearThenBlock(torch.nn.Module):
