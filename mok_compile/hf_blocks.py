@@ -26,8 +26,9 @@ class BlockSizes:
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe")
 # Families whose block the op covers with weight_on_input=True (the routing weight scales the expert's input:
-# Llama4's dense MoE, where every expert runs on every token and unrouted ones get a zero input). Kept out of
-# FAMILIES until the compiler pass fuses them: tests parametrised over FAMILIES expect a fused block.
+# Llama4's dense MoE, where every expert runs on every token and unrouted ones get a zero input). Kept apart
+# from FAMILIES, whose tests exercise transformers' experts_implementation forms (grouped_mm, batched_mm):
+# Llama4's experts are plain bmm's; its own pass and backend tests cover it.
 WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
 ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES
 
