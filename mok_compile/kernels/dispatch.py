@@ -131,8 +131,13 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + hcols[None, :], acc.to(DT), mask=m)
 
 
-def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype):
-    """out[t] = sum_k w[t, k] * y[pair_pos[t, k]] (+ extra[t]), summed in slot order in fp32."""
+def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=None):
+    """out[t] = sum_k w[t, k] * y[pair_pos[t, k]] (+ extra[t]), summed in slot order in fp32.
+
+    `round_product`: round each w * y to out_dtype before the sum (None: where HF's forward does,
+    i.e. weights already in the low-precision output dtype)."""
+    if round_product is None:
+        round_product = topk_weights is not None and topk_weights.dtype == out_dtype and out_dtype != torch.float32
     H = y.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=y.device)
     if T == 0:
@@ -143,7 +148,7 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype):
         y, pair_pos, topk_weights if topk_weights is not None else y, extra if extra is not None else y, out,
         T, H, y.stride(0), extra.stride(0) if extra is not None else 0, out.stride(0),
         K=K, HAS_W=topk_weights is not None,
-        ROUND_PRODUCT=topk_weights is not None and topk_weights.dtype == out_dtype and out_dtype != torch.float32,
+        ROUND_PRODUCT=bool(round_product) and topk_weights is not None,
         HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
     return out

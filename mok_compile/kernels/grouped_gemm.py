@@ -48,12 +48,15 @@ def _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M: tl.c
 @triton.jit
 def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, N, KD, col_mul, up_off,
               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, a_scale_ptrs=None, A_SCALE: tl.constexpr = False):
     """acc = A[a_rows, :] @ B[:, cols] over KD, B[k, c] at b_ptr + k*stride_bk + c*stride_bn.
 
     Gated: one [BLOCK_K, 2*BLOCK_N] B tile whose column 2i is gate column (n0+i)*col_mul and column
     2i+1 the matching up column, so gate and up come out of a single wide dot (the matrix unit's
-    best shape) and `tl.split` of the [BM, BN, 2] view separates them in the epilogue."""
+    best shape) and `tl.split` of the [BM, BN, 2] view separates them in the epilogue.
+
+    A_SCALE (weight on input): each A row is multiplied by its scale (`a_scale_ptrs`, one per row)
+    in fp32 and rounded to A's dtype before the dot, as `(x * w).to(x.dtype)` is in PyTorch."""
     if GATED:
         jj = tl.arange(0, 2 * BLOCK_N)
         ncol = n0 + jj // 2
@@ -73,9 +76,13 @@ def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, 
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
     b_ptrs = b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn
+    if A_SCALE:
+        a_scale = tl.load(a_scale_ptrs, mask=rmask, other=0.0).to(tl.float32)
     for k0 in range(0, KD, BLOCK_K):
         kmask = (k0 + kk) < KD
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if A_SCALE:
+            a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
         b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -102,7 +109,13 @@ def _grouped_gemm_kernel(
     TOPK: tl.constexpr, A_GATHER: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
+    A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False,
 ):
+    """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
+    A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
+    DW_DOT: the epilogue also writes dw_part[pid_n, row] = sum over this N-tile of the fp32 product
+    times dot[pair // TOPK] (backward dgrad: d w = <dxs, x> per N-tile, summed later in fixed order)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -116,14 +129,23 @@ def _grouped_gemm_kernel(
     else:
         a_rows = rows
     n0 = pid_n * BLOCK_N
-    acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
-                    n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if A_SCALE:
+        acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk,
+                        stride_bn, n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
+                        BLOCK_K, scale_ptr + pair, True)
+    else:
+        acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
+                        n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
     # Epilogue, rounding where HF's module holds a tensor in the input dtype: the projection's
     # output, the bias add, then each op of the activation.
     DT = c_ptr.dtype.element_ty
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < N
+    if DW_DOT:
+        dot = tl.load(dot_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_dot + n[None, :],
+                      mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(acc * dot, axis=1), mask=rmask)
     bias_base = bias_ptr + e.to(tl.int64) * stride_bias_e
     if GATED:
         g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -151,13 +173,15 @@ def _gate_up_bwd_kernel(
     col_mul, up_off, alpha, limit,
     TOPK: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, WOI: tl.constexpr = False,
 ):
     """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
     g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
         dw_part[pid_n, r] = sum_n g2 * act(h)     partial d(topk_weight) over this I-tile
         dh = act'(h) * (w * g2)                    stored in h's column layout
-        w * act(h)                                 stored for dW2"""
+        w * act(h)                                 stored for dW2
+    WOI (weight on input): h = (x[t] * w).to(x.dtype) @ W1[e]; the output is not weighted, so
+    dh = act'(h) * g2, act(h) is stored unscaled and no dw_part is written (d w comes from dgrad)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m = pid // num_n
@@ -167,8 +191,14 @@ def _gate_up_bwd_kernel(
     if e >= E:
         return
     n0 = pid_n * BLOCK_N
-    acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
-                    stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if WOI:
+        acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
+                        stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
+                        BLOCK_K, w_ptr + pair, True)
+    else:
+        acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
+                        stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < I
     col_g = n * col_mul
@@ -187,16 +217,23 @@ def _gate_up_bwd_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     g2 = tl.load(g2_ptr + rows64 * stride_g2m + n[None, :], mask=om, other=0.0).to(tl.float32)
     a = tl.where(om, act_value_fp32(g, u, alpha, limit, ACT), 0.0)
-    tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(g2 * a, axis=1), mask=rmask)
-    wv = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
-    dg, du = act_backward(g, u, g2 * wv[:, None], alpha, limit, ACT)
+    if WOI:
+        dg, du = act_backward(g, u, g2, alpha, limit, ACT)
+    else:
+        tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(g2 * a, axis=1), mask=rmask)
+        wv = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+        dg, du = act_backward(g, u, g2 * wv[:, None], alpha, limit, ACT)
     DT = dh_ptr.dtype.element_ty
     tl.store(dh_ptr + rows64 * stride_dhm + col_g[None, :], dg.to(DT), mask=om)
     if GATED:
         tl.store(dh_ptr + rows64 * stride_dhm + col_u[None, :], du.to(DT), mask=om)
     # dW2 = sum_r (w go)[r]^T act[r]: store w * act here so the dW2 kernel's operands need no
     # per-row scaling in registers (which made it slower than dW1 at half the work).
-    tl.store(act_ptr + rows64 * stride_am + n[None, :], (a * wv[:, None]).to(act_ptr.dtype.element_ty), mask=om)
+    if WOI:
+        tl.store(act_ptr + rows64 * stride_am + n[None, :], a.to(act_ptr.dtype.element_ty), mask=om)
+    else:
+        tl.store(act_ptr + rows64 * stride_am + n[None, :], (a * wv[:, None]).to(act_ptr.dtype.element_ty),
+                 mask=om)
 
 
 @triton.jit
@@ -205,11 +242,12 @@ def _wgrad_kernel(
     P, Q, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe,
     TOPK: tl.constexpr, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, BIAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, Q_SCALE: tl.constexpr = False,
 ):
     """C[e, p, q] = sum over expert e's rows r (in sorted order) of P[r, p] * Q[r, q];
     P/Q rows are gathered by token where flagged; dbias[e, p] = sum_r s_r P[r, p] (s_r the pair's
-    routing weight if BIAS_SCALE, else 1), stored by the programs of the first q tile."""
+    routing weight if BIAS_SCALE, else 1), stored by the programs of the first q tile.
+    Q_SCALE (weight on input, dW1): Q rows are (Q[r] * scale[pair]).to(Q's dtype), the expert's input."""
     pid = tl.program_id(0)
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
@@ -247,6 +285,9 @@ def _wgrad_kernel(
             bacc += tl.sum(pf, axis=1)
         qt = tl.load(q_ptr + qrow[:, None] * stride_qm + qc[None, :], mask=rmask[:, None] & qmask[None, :],
                      other=0.0)  # [BLOCK_R, BLOCK_Q]
+        if Q_SCALE:
+            qs = tl.load(scale_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+            qt = (qt.to(tl.float32) * qs[:, None]).to(q_ptr.dtype.element_ty)
         acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + pc[:, None].to(tl.int64) * stride_cp + qc[None, :] * stride_cq
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])

@@ -21,6 +21,13 @@ beyond the inputs):
     dgrad       dxp[r] = dh[r] @ W1[e]
     route_bwd   d(logits) from d(weights)
     dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype), combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
+
+Weight on input (Llama4, `weight_on_input=True`): the same launches behind constexpr flags.
+    forward  gate_up loads A rows as (x[t] * w[t,k]).to(x.dtype) (A_SCALE); combine unweighted
+    backward gate_up_bwd recomputes h from the scaled rows, dh = act'(h) * g2 (no w), stores act(h)
+             unscaled and no partial d(weights); dW2 = go^T act, db2 = sum go; dW1 reads the
+             scaled rows (Q_SCALE); dgrad's epilogue writes partial d w = <dxs, x> per H-tile
+             (DW_DOT, summed in fixed order by route_bwd); combine dx[t] = sum_k w[t,k] dxs[pos(t,k)]
 """
 
 from __future__ import annotations
@@ -72,10 +79,20 @@ def _grid_rows(num_pairs, E, block_m):
     return triton.cdiv(num_pairs, block_m) + min(E, num_pairs)
 
 
-def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_mul, up_off, kw, cfg, precision):
+def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_mul, up_off, kw, cfg, precision,
+          a_scale=None, dw_dot=None, dw_parts=None):
+    """One grouped GEMM launch. `a_scale` [T*K]: scale each (gathered) A row by its pair's weight;
+    `dw_dot` [T, n] with `dw_parts` [cdiv(n, BLOCK_N), T*K] fp32: write the rows' partial dot products
+    with dw_dot[token] per N-tile (both weight on input only; the default path passes neither)."""
     cfg = dict(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (_grid_rows(disp.num_pairs, disp.num_experts, bm) * triton.cdiv(n, bn),)
+    extra = {}
+    if a_scale is not None:
+        extra.update(scale_ptr=a_scale, A_SCALE=True)
+    if dw_dot is not None:
+        extra.update(dot_ptr=dw_dot, dw_part_ptr=dw_parts, stride_dot=dw_dot.stride(0), TK=disp.num_pairs,
+                     DW_DOT=True)
     _grouped_gemm_kernel[grid](
         a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
         n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
@@ -83,19 +100,25 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         float(kw["alpha"]), float(kw["limit"]),
         TOPK=disp.top_k, A_GATHER=gather, GATED=gated, INTERLEAVED=gated and col_mul == 2, ACT=act,
         HAS_BIAS=bias is not None, PRECISION=precision,
-        BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg,
+        BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg, **extra,
     )
 
 
-def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_pq, cfg, precision):
+def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_pq, cfg, precision, q_scale=None):
+    """`scale`: per-pair weights on the bias sum (BIAS_SCALE); `q_scale`: per-pair weights on the Q rows."""
     cfg = dict(cfg)
+    extra = {}
+    if q_scale is not None:
+        assert scale is None  # one scale pointer
+        scale = q_scale
+        extra["Q_SCALE"] = True
     grid = (disp.num_experts * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"]),)
     _wgrad_kernel[grid](
         p, q, disp.sorted_pair, scale if scale is not None else p, out, dbias if dbias is not None else out,
         disp.expert_count, disp.expert_start, P, Q, p.stride(0), q.stride(0), out.stride(0), strides_pq[0],
         strides_pq[1], dbias.stride(0) if dbias is not None else 0,
-        TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, BIAS_SCALE=scale is not None,
-        HAS_BIAS=dbias is not None, PRECISION=precision, **cfg,
+        TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, BIAS_SCALE=scale is not None and q_scale is None,
+        HAS_BIAS=dbias is not None, PRECISION=precision, **cfg, **extra,
     )
 
 
@@ -124,16 +147,17 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     col_mul, up_off = _gate_up_columns(I, kw)
+    woi = kw.get("weight_on_input", False)
     act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
     _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I, kd=H,
           gather=True, gated=kw["gated"], act=activation_code(kw["activation"], kw["gated"]), col_mul=col_mul,
           up_off=up_off, kw=kw, cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device),
-          precision=precision)
+          precision=precision, a_scale=w if woi else None)
     y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
     _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I, gather=False,
           gated=False, act=0, col_mul=1, up_off=0, kw=kw,
           cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
-    out = combine(y, disp.pair_pos, w, None, T, K, x.dtype)
+    out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype)
     return out, w, ids
 
 
@@ -145,7 +169,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
     K = topk_ids.shape[1]
-    transposed, gated = kw["transposed"], kw["gated"]
+    transposed, gated, woi = kw["transposed"], kw["gated"], kw.get("weight_on_input", False)
     zeros_like = torch.zeros_like
     if T == 0:
         d_router = zeros_like(router)
@@ -172,7 +196,8 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
           up_off=0, kw=kw, cfg=configs.config("bwd_g2", x.dtype, rows_per_expert, x.device), precision=precision)
     cfg = configs.config("bwd_gate_up", x.dtype, rows_per_expert, x.device)
     n_parts = triton.cdiv(I, cfg["BLOCK_N"])
-    dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=x.device)
+    # Weight on input: d(topk_weights) comes from dgrad's epilogue instead (below); nothing is written here.
+    dw_parts = torch.empty((1, 1) if woi else (n_parts, TK), dtype=torch.float32, device=x.device)
     dh = torch.empty((TK, up_out * I), dtype=x.dtype, device=x.device)
     act_w = torch.empty((TK, I), dtype=x.dtype, device=x.device)  # w * act(h), per pair row
     grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
@@ -183,7 +208,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
         TOPK=K, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=activation_code(kw["activation"], gated),
         HAS_BIAS=gate_up_bias is not None,
-        PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg,
+        PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
     )
     del g2
 
@@ -191,24 +216,28 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
     d_down = torch.empty_like(down_proj)
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
-    _wgrad(go, act_w, disp, w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True, q_gather=False,
+    _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True, q_gather=False,
            strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
     d_gu = torch.empty_like(gate_up_proj)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
     _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
-           strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision)
+           strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
+           q_scale=w_flat if woi else None)
 
     # d(input) of each pair, summed per token by the final combine.
     dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)
+    dcfg = configs.config("dgrad", x.dtype, rows_per_expert, x.device)
+    if woi:  # d w[t,k] = <dxs, x[t]>: partial sums per H-tile from the fp32 accumulator
+        dw_parts = torch.empty((triton.cdiv(H, dcfg["BLOCK_N"]), TK), dtype=torch.float32, device=x.device)
     _gemm(dh, disp, gate_up_proj, (w1_n, w1_k), None, dxp, n=H, kd=up_out * I, gather=False, gated=False, act=0,
-          col_mul=1, up_off=0, kw=kw, cfg=configs.config("dgrad", x.dtype, rows_per_expert, x.device),
-          precision=precision)
+          col_mul=1, up_off=0, kw=kw, cfg=dcfg, precision=precision, dw_dot=x if woi else None,
+          dw_parts=dw_parts if woi else None)
 
     # Router.
     dw_extra = None
     if grad_topk_weights is not None:
         dw_extra = grad_topk_weights.float()
-    if down_bias is not None:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
+    if down_bias is not None and not woi:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
         bias_term = (go.float() @ down_bias.float().t()).gather(1, topk_ids)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
     logits = _logits(x, router, router_bias, kw)
@@ -224,5 +253,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         d_router = (dl.to(rdt).t() @ x.to(rdt)).to(rdt)
         d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
         dx_router = dl.to(rdt) @ router
-    d_x = combine(dxp, disp.pair_pos, None, dx_router, T, K, x.dtype)
+    # Weight on input: dx[t] = sum_k w[t,k] * dxs[pos(t,k)] in fp32 (the product not rounded).
+    d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
+                  round_product=False if woi else None)
     return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2}
+ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3}
 
 
 def routing_block(num_experts: int) -> tuple[int, int]:
@@ -66,6 +66,11 @@ def _route_fwd_kernel(
         choice = tl.where(cmask[None, :], value, ninf)
     elif ROUTING == 1:  # top-k of the logits, softmax over the k afterwards
         value = logit
+        choice = tl.where(cmask[None, :], logit, ninf)
+    elif ROUTING == 3:  # top-k of the logits, sigmoid of the k picked (Llama4)
+        value = 1.0 / (1.0 + tl.exp(-logit))
+        if SOFTMAX_LOW:  # sigmoid in the logits' dtype
+            value = value.to(LDT).to(tl.float32)
         choice = tl.where(cmask[None, :], logit, ninf)
     else:  # sigmoid scores; the selection bias only chooses
         value = 1.0 / (1.0 + tl.exp(-logit))
@@ -184,7 +189,7 @@ def _route_bwd_kernel(
         m = tl.max(logit, axis=1)
         p = tl.where(lmask, tl.exp(logit - m[:, None]), 0.0)
         base = p / tl.sum(p, axis=1)[:, None]
-    elif ROUTING == 2:
+    elif ROUTING == 2 or ROUTING == 3:  # 3 (topk_sigmoid): the same sigmoid, of the picked logits only
         base = tl.where(lmask, 1.0 / (1.0 + tl.exp(-logit)), 0.0)
     else:
         base = logit
@@ -214,7 +219,7 @@ def _route_bwd_kernel(
         dl = base * (scat - tl.sum(base * scat, axis=1)[:, None])
     elif ROUTING == 1:
         dl = scat
-    else:
+    else:  # 2, 3: d logits[t, ids] = d w0 * w0 * (1 - w0)
         dl = scat * base * (1.0 - base)
     tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl, mask=lmask)
 

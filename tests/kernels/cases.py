@@ -27,6 +27,17 @@ VARIANTS = {
     "gelu_mlp": (dict(), ExpertSpec(activation="gelu", gated=False), False, False, False),
     "gelu_tanh_mlp": (dict(), ExpertSpec(activation="gelu_tanh", gated=False), False, False, False),
     "router_logits": (dict(router_is_logits=True, renormalize=True), ExpertSpec(), False, False, False),
+    # Llama4: top-k of the logits, fp32 sigmoid cast to the input dtype, weight on the expert input,
+    # unweighted sum; [E, H, 2I] / [E, I, H] experts.
+    "llama4": (dict(routing="topk_sigmoid", weights_fp32=False, weight_on_input=True), ExpertSpec(transposed=True),
+               False, False, False),
+    # The same routing with renormalisation, scale and fp32 weights, biases everywhere (down bias: no
+    # d(weights) term when the weight is on the input), F.linear layout.
+    "topk_sigmoid_renorm_bias": (dict(routing="topk_sigmoid", renormalize=True, routed_scale=1.5, weight_on_input=True),
+                                 ExpertSpec(activation="gelu_tanh"), True, True, False),
+    # topk_sigmoid with the usual weighted combine (weight_on_input off), sigmoid in the logits' dtype.
+    "topk_sigmoid_out": (dict(routing="topk_sigmoid", softmax_fp32=False, renormalize=True), ExpertSpec(), False,
+                         False, False),
 }
 
 # CPU-interpreter checks (variant, T, H, I, E, K, dtype): small odd sizes, T not a multiple of any block.
@@ -36,6 +47,10 @@ INTERPRET_CASES += [
     ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
     ("qwen3", 29, 40, 24, 8, 2, torch.float16),
     ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),
+    ("llama4", 21, 40, 24, 8, 1, torch.float32),
+    ("llama4", 19, 40, 24, 8, 1, torch.float16),
+    ("llama4", 25, 48, 24, 16, 3, torch.float16),
+    ("topk_sigmoid_renorm_bias", 23, 32, 16, 8, 3, torch.float16),
 ]
 
 
@@ -80,7 +95,8 @@ def fp32_expert_reference(tensors, kw, topk_weights, topk_ids):
     return reference.experts_reference(x, topk_weights.float(), topk_ids, w1, b1, w2, b2,
                                        activation=kw["activation"], gated=kw["gated"],
                                        interleaved=kw["interleaved"], transposed=kw["transposed"],
-                                       alpha=kw["alpha"], limit=kw["limit"])
+                                       alpha=kw["alpha"], limit=kw["limit"],
+                                       weight_on_input=kw.get("weight_on_input", False))
 
 
 def rel_err(a, b):

@@ -45,7 +45,8 @@ def _check(tensors, kw, dtype):
 
 # Every variant in bf16; fp16 and fp32 for one of each routing family and expert layout.
 CASES = [(v, torch.bfloat16) for v in sorted(VARIANTS)]
-CASES += [(v, dt) for v in ("qwen3", "deepseek_v3", "gpt_oss", "relu2") for dt in (torch.float16, torch.float32)]
+CASES += [(v, dt) for v in ("qwen3", "deepseek_v3", "gpt_oss", "relu2", "llama4", "topk_sigmoid_renorm_bias")
+          for dt in (torch.float16, torch.float32)]
 
 
 @pytest.mark.parametrize("variant,dtype", CASES)
@@ -57,6 +58,14 @@ def test_variant_matches_reference(variant, dtype):
 @pytest.mark.parametrize("T", [1, 7, 129, 1000])
 def test_odd_token_counts(T):
     tensors, kw = make_case("qwen3", T=T, H=136, I=40, E=12, K=3, dtype=torch.bfloat16, device=DEV, seed=T)
+    _check(tensors, kw, torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", ["llama4", "topk_sigmoid_renorm_bias"])
+@pytest.mark.parametrize("T", [1, 129, 1000])
+def test_weight_on_input_top1(variant, T):
+    """Llama4 routes each token to one expert (k=1): the expert sees (x * w).to(x.dtype), summed unweighted."""
+    tensors, kw = make_case(variant, T=T, H=136, I=40, E=16, K=1, dtype=torch.bfloat16, device=DEV, seed=T)
     _check(tensors, kw, torch.bfloat16)
 
 
@@ -89,7 +98,7 @@ def test_256_experts_most_empty_top8():
     _check(tensors, kw, torch.bfloat16)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3", "llama4", "topk_sigmoid_renorm_bias"])
 def test_bitwise_deterministic(variant):
     tensors, kw = make_case(variant, T=2000, H=256, I=128, E=32, K=4, dtype=torch.bfloat16, device=DEV)
     runs = []
@@ -101,8 +110,9 @@ def test_bitwise_deterministic(variant):
         assert torch.equal(a, b)
 
 
-def test_cuda_graph_capture_and_replay():
-    tensors, kw = make_case("qwen3", T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV)
+@pytest.mark.parametrize("variant", ["qwen3", "llama4"])
+def test_cuda_graph_capture_and_replay(variant):
+    tensors, kw = make_case(variant, T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV)
     static = [t.clone() if t is not None else None for t in tensors]
     go = torch.randn_like(static[0])
     stream = torch.cuda.Stream()
@@ -116,7 +126,7 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         out, w, ids = _op(static, kw)
         grads = torch.ops.mok.fused_moe_backward(go, None, *static, w, ids, **kw)
-    fresh, _ = make_case("qwen3", T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV, seed=7)
+    fresh, _ = make_case(variant, T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV, seed=7)
     static[0].copy_(fresh[0])
     graph.replay()
     e_out, e_w, e_ids = _op(static, kw)
@@ -126,8 +136,9 @@ def test_cuda_graph_capture_and_replay():
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_autograd_through_the_op_uses_cuda_kernels():
-    tensors, kw = make_case("mixtral", T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+@pytest.mark.parametrize("variant", ["mixtral", "llama4"])
+def test_autograd_through_the_op_uses_cuda_kernels(variant):
+    tensors, kw = make_case(variant, T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
     leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in tensors]
     out, w, ids = _op(leaves, kw)
     (out.float().square().mean() + w.float().sum()).backward()
