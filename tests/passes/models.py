@@ -89,35 +89,35 @@ class StackedGatherMoE(nn.Module):
         self.w_in = nn.Parameter(torch.randn(experts, 2 * inter, hidden) / hidden**0.5)
         self.w_out = nn.Parameter(torch.randn(experts, hidden, inter) / inter**0.5)
 
-    def forward(self, x):
-        T, H = x.shape
+    def route(self, x):
+        """Sigmoid scores, experts chosen with a bias, renormalised and scaled weights; (weights [T, K], flat ids)."""
         scores = F.linear(x, self.router).float().sigmoid()
         ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
         w = scores.gather(1, ids)
-        w = w / w.sum(dim=-1, keepdim=True) * self.scale
-        flat = ids.reshape(-1)
-        xs = x.repeat_interleave(self.top_k, dim=0)
+        return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
+
+    def experts(self, xs, flat):
+        """SwiGLU of each (token, slot) row with its gathered expert weights: [T*K, H]."""
         h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
         gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, x):
+        T, H = x.shape
+        w, flat = self.route(x)
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), flat)
         y = y.view(T, self.top_k, H) * w.unsqueeze(-1).to(y.dtype)
         return y.sum(dim=1)
 
 
 class WeightOnInputMoE(StackedGatherMoE):
-    """Near miss: routing weights scale the expert input (Llama4 style), not the expert output."""
+    """Routing weights scale the expert input (the op's weight_on_input) in a gathered form the pass does not
+    detect (it knows Llama4's dense form): it must be reported and left untouched."""
 
     def forward(self, x):
         T, H = x.shape
-        scores = F.linear(x, self.router).float().sigmoid()
-        ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, ids)
-        w = w / w.sum(dim=-1, keepdim=True) * self.scale
-        flat = ids.reshape(-1)
-        xs = x.repeat_interleave(self.top_k, dim=0) * w.reshape(-1, 1)
-        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        w, flat = self.route(x)
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0) * w.reshape(-1, 1), flat)
         return y.view(T, self.top_k, H).sum(dim=1)
 
 
@@ -126,15 +126,8 @@ class SquaredWeightsMoE(StackedGatherMoE):
 
     def forward(self, x):
         T, H = x.shape
-        scores = F.linear(x, self.router).float().sigmoid()
-        ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, ids)
-        w = w / w.sum(dim=-1, keepdim=True) * self.scale
-        flat = ids.reshape(-1)
-        xs = x.repeat_interleave(self.top_k, dim=0)
-        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        w, flat = self.route(x)
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), flat)
         y = y.view(T, self.top_k, H) * (w * w).unsqueeze(-1)
         return y.sum(dim=1)
 
