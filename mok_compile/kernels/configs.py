@@ -103,3 +103,32 @@ def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torc
     if dtype == torch.float32:
         return dict(_FP32_DEFAULT[kernel])
     return dict(_DEFAULTS[kernel][b])
+
+
+# ----------------------------------------------------------------------------- GEMM engine per stage
+# Which engine runs each kind of expert GEMM: our Triton kernels (gather and activation fused into
+# the GEMM) or PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`, faster tiles but unfused).
+#   gathered  forward gate_up, backward g2 and the h recompute (CUTLASS pays a row gather + an activation pass)
+#   sorted    forward down, backward dgrad (A already in sorted order: nothing extra to pay)
+#   wgrad     both weight gradients (CUTLASS pays the gathers of x and grad_out)
+# CUTLASS is used from this many mean rows per expert (T * top_k / E) on; measured on an H200 with
+# `python -m benchmarks.engines` (table in benchmarks/NOTES-gpu.md): Triton wins at few rows per
+# expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~128 rows on for
+# the sorted GEMMs, from ~512 for the gathered ones, and in the weight gradients from ~64. MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks),
+# or per stage: MOK_GEMM_ENGINE=gathered=triton,sorted=cutlass,wgrad=cutlass.
+STAGES = ("gathered", "sorted", "wgrad")
+_CUTLASS_FROM_ROWS = {"gathered": 512, "sorted": 128, "wgrad": 64}
+
+
+def engine(stage: str, rows_per_expert: float) -> str:
+    """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all)."""
+    forced = os.environ.get("MOK_GEMM_ENGINE", "")
+    if forced:
+        if forced in ("triton", "cutlass"):
+            return forced
+        choice = dict(part.split("=", 1) for part in forced.split(",")).get(stage)
+        if choice is not None:
+            if choice not in ("triton", "cutlass"):
+                raise ValueError(f"MOK_GEMM_ENGINE: stage {stage!r} must be 'triton' or 'cutlass', got {choice!r}")
+            return choice
+    return "cutlass" if rows_per_expert >= _CUTLASS_FROM_ROWS[stage] else "triton"

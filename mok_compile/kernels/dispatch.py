@@ -6,7 +6,7 @@ gradients) runs over the same rows in the same order on every run.
 
     chunk_counts [n_chunks, BLOCK_E]  how many pairs of each token chunk go to each expert
                                       (written by the router kernel, or `count_chunks`)
-    scan         -> expert_count [E], expert_start [E], chunk_offset [n_chunks, BLOCK_E]
+    scan         -> expert_count [E], expert_start [E], expert_end [E], chunk_offset [n_chunks, BLOCK_E]
     scatter      -> sorted_pair [T*K] (pair at each sorted position), pair_pos [T*K] (inverse)
 
 Each expert's rows are contiguous and unpadded; a grouped GEMM derives its
@@ -45,7 +45,7 @@ def count_chunks(topk_ids, num_experts, block_t, block_e):
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, n_chunks, E,
+def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, expert_end_ptr, n_chunks, E,
                  BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program: prefix sums over chunks (per expert) and over experts."""
     cols = tl.arange(0, BLOCK_E)
@@ -59,7 +59,9 @@ def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, 
         running += tl.sum(tile, axis=0)
     cmask = cols < E
     tl.store(expert_count_ptr + cols, running, mask=cmask)
-    tl.store(expert_start_ptr + cols, tl.cumsum(running, axis=0) - running, mask=cmask)
+    end = tl.cumsum(running, axis=0)
+    tl.store(expert_start_ptr + cols, end - running, mask=cmask)
+    tl.store(expert_end_ptr + cols, end, mask=cmask)
 
 
 @triton.jit
@@ -94,20 +96,32 @@ class Dispatch:
         self.num_experts, self.top_k, self.num_pairs = num_experts, K, T * K
         self.expert_count = torch.empty(num_experts, dtype=torch.int32, device=dev)
         self.expert_start = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        self.expert_end = torch.empty(num_experts, dtype=torch.int32, device=dev)  # group offsets of grouped_mm
         self.sorted_pair = torch.empty(T * K, dtype=torch.int32, device=dev)
         self.pair_pos = torch.empty(T * K, dtype=torch.int32, device=dev)
         chunk_off = torch.empty_like(chunk_counts)
-        _scan_kernel[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, n_chunks, num_experts,
+        _scan_kernel[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, self.expert_end, n_chunks,
+                           num_experts,
                            BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
         if T > 0:
             _scatter_kernel[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair, self.pair_pos,
                                          T, num_experts, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+        self._sorted_token = None
+
+    def sorted_token(self):
+        """Token of each sorted row (int32), for gathers done outside a kernel (computed once)."""
+        if self._sorted_token is None:
+            self._sorted_token = torch.div(self.sorted_pair, self.top_k, rounding_mode="floor")
+        return self._sorted_token
 
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, stride_extra, stride_out,
                     K: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCT: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_be=None,
+                    HAS_BIAS: tl.constexpr = False):
+    """HAS_BIAS: y rows are expert outputs without their bias; add bias[ids[t, k]] (rounded, as the
+    GEMM epilogue would) before weighting."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -119,6 +133,10 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
     for k in tl.static_range(K):
         p = tl.load(pos_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
         v = tl.load(y_ptr + p[:, None] * stride_y + hcols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
+            b = tl.load(bias_ptr + e[:, None] * stride_be + hcols[None, :], mask=m, other=0.0).to(tl.float32)
+            v = (v + b).to(DT).to(tl.float32)
         if HAS_W:
             wk = tl.load(w_ptr + rows * K + k, mask=rmask, other=0.0).to(tl.float32)
             v = v * wk[:, None]
@@ -131,8 +149,9 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + hcols[None, :], acc.to(DT), mask=m)
 
 
-def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=None):
-    """out[t] = sum_k w[t, k] * y[pair_pos[t, k]] (+ extra[t]), summed in slot order in fp32.
+def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=None, bias=None, topk_ids=None):
+    """out[t] = sum_k w[t, k] * (y[pair_pos[t, k]] (+ bias[topk_ids[t, k]])) (+ extra[t]), summed in slot
+    order in fp32.
 
     `round_product`: round each w * y to out_dtype before the sum (None: where HF's forward does,
     i.e. weights already in the low-precision output dtype)."""
@@ -150,5 +169,6 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
         K=K, HAS_W=topk_weights is not None,
         ROUND_PRODUCT=bool(round_product) and topk_weights is not None,
         HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        **({} if bias is None else dict(bias_ptr=bias, ids_ptr=topk_ids, stride_be=bias.stride(0), HAS_BIAS=True)),
     )
     return out

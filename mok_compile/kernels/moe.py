@@ -37,7 +37,7 @@ import triton
 
 from ..ops import reference
 from ..ops.spec import with_defaults
-from . import configs
+from . import configs, cutlass_gemm
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -65,6 +65,18 @@ def _gate_up_strides(w1, transposed):
 def _down_strides(w2, transposed):
     """(stride over I, stride over H) of W2[e]."""
     return (w2.stride(1), w2.stride(2)) if transposed else (w2.stride(2), w2.stride(1))
+
+
+def _kn(w, transposed, backward=False):
+    """W[e] as the [k, n] operand of PyTorch's grouped GEMM: forward x @ W, backward (transposed) g @ W^T."""
+    return w if transposed != backward else w.transpose(1, 2)
+
+
+def _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw):
+    """Engine of each GEMM stage (`configs.engine`); Triton wherever CUTLASS is not eligible."""
+    if not cutlass_gemm.eligible(x, gate_up_proj, down_proj, I, kw.get("weight_on_input", False)):
+        return dict.fromkeys(configs.STAGES, "triton")
+    return {stage: configs.engine(stage, rows_per_expert) for stage in configs.STAGES}
 
 
 def _gate_up_columns(I, kw):
@@ -148,11 +160,23 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     precision = _precision(x.dtype)
     col_mul, up_off = _gate_up_columns(I, kw)
     woi = kw.get("weight_on_input", False)
-    act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
-    _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I, kd=H,
-          gather=True, gated=kw["gated"], act=activation_code(kw["activation"], kw["gated"]), col_mul=col_mul,
-          up_off=up_off, kw=kw, cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device),
-          precision=precision, a_scale=w if woi else None)
+    eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
+    act_code = activation_code(kw["activation"], kw["gated"])
+    if eng["gathered"] == "cutlass":
+        h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
+        act = cutlass_gemm.activation_rows(h, disp, ids, gate_up_bias, I, gated=kw["gated"],
+                                           interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,
+                                           up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
+        del h
+    else:
+        act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
+        _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I,
+              kd=H, gather=True, gated=kw["gated"], act=act_code, col_mul=col_mul, up_off=up_off, kw=kw,
+              cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device), precision=precision,
+              a_scale=w if woi else None)
+    if eng["sorted"] == "cutlass":  # the down bias is added in the combine
+        y = cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp)
+        return combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids), w, ids
     y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
     _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I, gather=False,
           gated=False, act=0, col_mul=1, up_off=0, kw=kw,
@@ -188,50 +212,60 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     up_out = 2 if gated else 1
     TK = T * K
 
-    # g2 = go[t] @ W2[e]^T per pair; then h recomputed with dh, act(h), partial d(topk_weights) in its epilogue.
+    eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
+    act_code = activation_code(kw["activation"], gated)
+    xs = gos = None
+    if eng["gathered"] == "cutlass" or eng["wgrad"] == "cutlass":  # sorted copies of x and go rows
+        xs, gos = cutlass_gemm.gather_rows(x, disp), cutlass_gemm.gather_rows(go, disp)
+
+    # g2 = go[t] @ W2[e]^T per pair; then h recomputed with dh, act(h), partial d(topk_weights).
     w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
     w2_i, w2_h = _down_strides(down_proj, transposed)
-    g2 = torch.empty((TK, I), dtype=x.dtype, device=x.device)
-    _gemm(go, disp, down_proj, (w2_h, w2_i), None, g2, n=I, kd=H, gather=True, gated=False, act=0, col_mul=1,
-          up_off=0, kw=kw, cfg=configs.config("bwd_g2", x.dtype, rows_per_expert, x.device), precision=precision)
-    cfg = configs.config("bwd_gate_up", x.dtype, rows_per_expert, x.device)
-    n_parts = triton.cdiv(I, cfg["BLOCK_N"])
-    # Weight on input: d(topk_weights) comes from dgrad's epilogue instead (below); nothing is written here.
-    dw_parts = torch.empty((1, 1) if woi else (n_parts, TK), dtype=torch.float32, device=x.device)
-    dh = torch.empty((TK, up_out * I), dtype=x.dtype, device=x.device)
-    act_w = torch.empty((TK, I), dtype=x.dtype, device=x.device)  # w * act(h), per pair row
-    grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
-    _gate_up_bwd_kernel[grid](
-        x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act_w,
-        dw_parts, disp.expert_count, disp.expert_start, I, H, E, TK, x.stride(0), gate_up_proj.stride(0), w1_k,
-        w1_n, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
-        act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
-        TOPK=K, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=activation_code(kw["activation"], gated),
-        HAS_BIAS=gate_up_bias is not None,
-        PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
-    )
-    del g2
+    if eng["gathered"] == "cutlass":
+        g2 = cutlass_gemm.grouped_mm(gos, _kn(down_proj, transposed, backward=True), disp)
+        h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
+        dh, act_w, dw_parts = cutlass_gemm.activation_bwd_rows(
+            h, g2, w_flat, disp, topk_ids, gate_up_bias, I, gated=gated, interleaved=kw["interleaved"],
+            act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
+        del h, g2
+    else:
+        dh, act_w, dw_parts = _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, down_proj,
+                                                       I, kw, rows_per_expert, precision, (w1_k, w1_n),
+                                                       (w2_h, w2_i), col_mul, up_off, act_code)
 
-    # Weight gradients: each program reduces its expert's rows in sorted order.
-    wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
-    d_down = torch.empty_like(down_proj)
+    # Weight gradients: each expert's rows reduced in sorted order.
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
-    _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True, q_gather=False,
-           strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
-    d_gu = torch.empty_like(gate_up_proj)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
-    _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
-           strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
-           q_scale=w_flat if woi else None)
+    if eng["wgrad"] == "cutlass":
+        d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
+        d_gu = cutlass_gemm.wgrad(xs, dh, disp) if transposed else cutlass_gemm.wgrad(dh, xs, disp)
+        if d_down_bias is not None:
+            cutlass_gemm.segment_sum(go, disp, d_down_bias, gather=True, scale=w_flat)
+        if d_gu_bias is not None:
+            cutlass_gemm.segment_sum(dh, disp, d_gu_bias, gather=False)
+    else:
+        wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
+        d_down = torch.empty_like(down_proj)
+        _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True,
+               q_gather=False, strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
+        d_gu = torch.empty_like(gate_up_proj)
+        _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
+               strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
+               q_scale=w_flat if woi else None)
+    del xs, gos, act_w
 
     # d(input) of each pair, summed per token by the final combine.
-    dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)
-    dcfg = configs.config("dgrad", x.dtype, rows_per_expert, x.device)
-    if woi:  # d w[t,k] = <dxs, x[t]>: partial sums per H-tile from the fp32 accumulator
-        dw_parts = torch.empty((triton.cdiv(H, dcfg["BLOCK_N"]), TK), dtype=torch.float32, device=x.device)
-    _gemm(dh, disp, gate_up_proj, (w1_n, w1_k), None, dxp, n=H, kd=up_out * I, gather=False, gated=False, act=0,
-          col_mul=1, up_off=0, kw=kw, cfg=dcfg, precision=precision, dw_dot=x if woi else None,
-          dw_parts=dw_parts if woi else None)
+    if eng["sorted"] == "cutlass":
+        dxp = cutlass_gemm.grouped_mm(dh, _kn(gate_up_proj, transposed, backward=True), disp)
+    else:
+        dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)
+        dcfg = configs.config("dgrad", x.dtype, rows_per_expert, x.device)
+        if woi:  # d w[t,k] = <dxs, x[t]>: partial sums per H-tile from the fp32 accumulator
+            dw_parts = torch.empty((triton.cdiv(H, dcfg["BLOCK_N"]), TK), dtype=torch.float32, device=x.device)
+        _gemm(dh, disp, gate_up_proj, (w1_n, w1_k), None, dxp, n=H, kd=up_out * I, gather=False, gated=False, act=0,
+              col_mul=1, up_off=0, kw=kw, cfg=dcfg, precision=precision, dw_dot=x if woi else None,
+              dw_parts=dw_parts if woi else None)
+    del dh
 
     # Router.
     dw_extra = None
@@ -257,3 +291,31 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
                   round_product=False if woi else None)
     return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias
+
+
+def _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, down_proj, I, kw, rows_per_expert,
+                             precision, w1_kn_strides, w2_kn_strides, col_mul, up_off, act_code):
+    """(dh, w * act(h), dw_parts) by the Triton g2 GEMM + `_gate_up_bwd_kernel` (h recomputed, never stored)."""
+    TK, E = disp.num_pairs, disp.num_experts
+    gated, woi = kw["gated"], kw.get("weight_on_input", False)
+    g2 = torch.empty((TK, I), dtype=x.dtype, device=x.device)
+    _gemm(go, disp, down_proj, w2_kn_strides, None, g2, n=I, kd=x.shape[1], gather=True, gated=False, act=0,
+          col_mul=1, up_off=0, kw=kw, cfg=configs.config("bwd_g2", x.dtype, rows_per_expert, x.device),
+          precision=precision)
+    cfg = configs.config("bwd_gate_up", x.dtype, rows_per_expert, x.device)
+    n_parts = triton.cdiv(I, cfg["BLOCK_N"])
+    # Weight on input: d(topk_weights) comes from dgrad's epilogue instead; nothing is written here.
+    dw_parts = torch.empty((1, 1) if woi else (n_parts, TK), dtype=torch.float32, device=x.device)
+    dh = torch.empty((TK, (2 if gated else 1) * I), dtype=x.dtype, device=x.device)
+    act_w = torch.empty((TK, I), dtype=x.dtype, device=x.device)  # w * act(h), per pair row
+    grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
+    _gate_up_bwd_kernel[grid](
+        x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act_w,
+        dw_parts, disp.expert_count, disp.expert_start, I, x.shape[1], E, TK, x.stride(0), gate_up_proj.stride(0),
+        *w1_kn_strides, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
+        act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
+        TOPK=disp.top_k, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=act_code,
+        HAS_BIAS=gate_up_bias is not None,
+        PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
+    )
+    return dh, act_w, dw_parts

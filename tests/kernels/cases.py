@@ -53,6 +53,18 @@ INTERPRET_CASES += [
     ("topk_sigmoid_renorm_bias", 23, 32, 16, 8, 3, torch.float16),
 ]
 
+# The same through the CUTLASS engine (MOK_GEMM_ENGINE=cutlass; H and I multiples of 8): every
+# activation, both layouts, interleaved, biases, one token, most experts empty.
+# (weight on input stays on Triton.)
+CUTLASS_INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float32) for v, spec in VARIANTS.items()
+                           if not spec[0].get("weight_on_input")]
+CUTLASS_INTERPRET_CASES += [
+    ("qwen3", 1, 24, 16, 6, 3, torch.float32),
+    ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
+    ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),
+    ("qwen3", 29, 40, 24, 8, 2, torch.float16),
+]
+
 
 def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0, logits=None):
     """(positional tensors, kwargs) of `mok.fused_moe` for `variant`, random (never zero) values.

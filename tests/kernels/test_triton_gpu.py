@@ -1,4 +1,8 @@
-"""The CUDA kernels of `mok::fused_moe` on a GPU: numerics, gradients, determinism, CUDA graphs, edge shapes."""
+"""The CUDA kernels of `mok::fused_moe` on a GPU: numerics, gradients, determinism, CUDA graphs, edge shapes.
+
+Every test runs with each GEMM engine forced (`MOK_GEMM_ENGINE`: all Triton, all CUTLASS where
+eligible, i.e. bf16 on Hopper) and with the mixed per-stage choice the heuristic makes at large sizes.
+"""
 
 import pytest
 import torch
@@ -11,6 +15,28 @@ DEV = "cuda"
 FWD_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
+
+
+ENGINES = ["triton", "cutlass", "gathered=triton,sorted=cutlass,wgrad=cutlass"]
+
+
+@pytest.fixture(autouse=True, params=ENGINES)
+def engine(request, monkeypatch):
+    monkeypatch.setenv("MOK_GEMM_ENGINE", request.param)
+    return request.param
+
+
+def test_cutlass_engine_is_eligible_for_bf16_on_hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the CUTLASS engine is enabled on Hopper only")
+    from mok_compile.kernels import cutlass_gemm
+
+    (x, _, _, _, w1, _, w2, _), _ = make_case("qwen3", T=8, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
+    assert cutlass_gemm.eligible(x, w1, w2, 32, False)
+    assert not cutlass_gemm.eligible(x, w1, w2, 32, True)  # weight on input stays on Triton
+    assert not cutlass_gemm.eligible(x.float(), w1, w2, 32, False)
+    (x, _, _, _, w1, _, w2, _), _ = make_case("qwen3", T=8, H=60, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
+    assert not cutlass_gemm.eligible(x, w1, w2, 32, False)  # rows not 16-byte aligned
 
 
 def _op(tensors, kw):

@@ -26,9 +26,9 @@ def interpreter_results():
 
 
 def test_every_case_ran(interpreter_results):
-    from tests.kernels.cases import INTERPRET_CASES
+    from tests.kernels.cases import CUTLASS_INTERPRET_CASES, INTERPRET_CASES
 
-    assert len(interpreter_results) == len(INTERPRET_CASES)
+    assert len(interpreter_results) == len(INTERPRET_CASES) + len(CUTLASS_INTERPRET_CASES)
 
 
 def test_forward_matches_reference(interpreter_results):
