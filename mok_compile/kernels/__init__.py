@@ -45,6 +45,32 @@ def fused_moe_cuda(hidden_states, router, router_bias, selection_bias, gate_up_p
     return _kernels().fused_moe_forward(*args, **kw)
 
 
+def saves_gate_up(x, gate_up_proj, down_proj, kw) -> bool:
+    """Whether autograd should run `mok::fused_moe_train` (which also returns h) instead of recomputing h
+    in the backward: where the gathered GEMMs run on CUTLASS (h is materialised there anyway) and T is
+    static. From shapes, dtypes and the device only, so fake tensors under torch.compile agree."""
+    if not isinstance(x.shape[0], int) or x.shape[0] == 0 or not _use_triton(x):
+        return False
+    from . import configs, cutlass_gemm
+
+    E = gate_up_proj.shape[0]
+    I = down_proj.shape[1] if kw["transposed"] else down_proj.shape[2]
+    return (cutlass_gemm.eligible(x, gate_up_proj, down_proj, I, kw["weight_on_input"], check_alignment=False)
+            and configs.engine("gathered", x.shape[0] * kw["top_k"] / E) == "cutlass")
+
+
+def fused_moe_train_cuda(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw):
+    kw = with_defaults(kw)
+    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw)
+    if not saves_gate_up(hidden_states, gate_up_proj, down_proj, kw):
+        raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
+                           "mok_compile.kernels.saves_gate_up holds (bf16 on Hopper, CUTLASS gathered GEMMs)")
+    return _kernels().fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj,
+                                        gate_up_bias, down_proj, down_bias, save_gate_up=True, **kw)
+
+
 def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, **kw):
     kw = with_defaults(kw)
     if not _use_triton(hidden_states):
@@ -54,3 +80,4 @@ def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, *
 
 library.lib.impl("fused_moe", fused_moe_cuda, "CUDA")
 library.lib.impl("fused_moe_backward", fused_moe_backward_cuda, "CUDA")
+library.lib.impl("fused_moe_train", fused_moe_train_cuda, "CUDA")

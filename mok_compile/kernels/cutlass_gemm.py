@@ -40,15 +40,22 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def eligible(x, gate_up_proj, down_proj, I, weight_on_input) -> bool:
+def eligible(x, gate_up_proj, down_proj, I, weight_on_input, check_alignment=True) -> bool:
     """Whether this call can use CUTLASS: bf16 on Hopper (where PyTorch runs its sm90 CUTLASS kernel and
-    what we measured), every row 16-byte aligned (H, I multiples of 8), contiguous weights."""
+    what we measured), every row 16-byte aligned (H, I multiples of 8), contiguous weights.
+    `check_alignment=False`: everything but the data pointers (fake tensors have none); `aligned_weights`
+    then copies a misaligned weight."""
     return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and not weight_on_input
             and _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and x.shape[1] % 8 == 0 and I % 8 == 0
             and gate_up_proj.dtype == down_proj.dtype == torch.bfloat16
             and gate_up_proj.is_contiguous() and down_proj.is_contiguous()
-            and _aligned(gate_up_proj) and _aligned(down_proj))
+            and (not check_alignment or (_aligned(gate_up_proj) and _aligned(down_proj))))
+
+
+def aligned_weights(w):
+    """`w`, or an aligned copy of it when its data pointer is not 16-byte aligned (rare: a view at an odd offset)."""
+    return w if _aligned(w) else w.clone()
 
 
 def gather_rows(x, disp):
@@ -201,18 +208,20 @@ def activation_rows(h, disp, topk_ids, bias, I, *, gated, interleaved, act, col_
 
 
 def activation_bwd_rows(h, g2, w_flat, disp, topk_ids, bias, I, *, gated, interleaved, act, col_mul, up_off, alpha,
-                        limit):
-    """(dh, w * act, dw_parts [cdiv(I, 128), TK] fp32); dh is written over h and w * act over g2 (both
-    are dead afterwards), which keeps the backward's peak memory at one [TK, 2I] + one [TK, I] buffer."""
+                        limit, h_is_saved=False):
+    """(dh, w * act, dw_parts [cdiv(I, 128), TK] fp32); w * act is written over g2 and dh over h (both dead
+    afterwards, which keeps the backward's peak memory at one [TK, 2I] + one [TK, I] buffer), except
+    over a saved h (`h_is_saved`: autograd's saved tensor must survive for a retained graph)."""
     TK = h.shape[0]
     n_parts = triton.cdiv(I, _COLS)
     dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h) if h_is_saved else h
     _activation_bwd_rows_kernel[(triton.cdiv(TK, _ROWS), n_parts)](
-        h, g2, w_flat, disp.sorted_pair, topk_ids, bias if bias is not None else h, h, g2, dw_parts, TK, I,
-        h.stride(0), g2.stride(0), h.stride(0), g2.stride(0), bias.stride(0) if bias is not None else 0,
+        h, g2, w_flat, disp.sorted_pair, topk_ids, bias if bias is not None else h, dh, g2, dw_parts, TK, I,
+        h.stride(0), g2.stride(0), dh.stride(0), g2.stride(0), bias.stride(0) if bias is not None else 0,
         col_mul, up_off, alpha, limit, GATED=gated, INTERLEAVED=gated and interleaved, ACT=act,
         HAS_BIAS=bias is not None, BLOCK_M=_ROWS, BLOCK_N=_COLS, num_warps=4)
-    return h, g2, dw_parts
+    return dh, g2, dw_parts
 
 
 def segment_sum(src, disp, out, *, gather, scale=None):

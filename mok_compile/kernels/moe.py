@@ -22,7 +22,14 @@ beyond the inputs):
     route_bwd   d(logits) from d(weights)
     dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype), combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
 
-Weight on input (Llama4, `weight_on_input=True`): the same launches behind constexpr flags.
+GEMM engines (`configs.engine`, per stage, by mean rows per expert): the Triton kernels above, or
+PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`; bf16 on Hopper) where it is faster. A CUTLASS
+gathered stage gathers the rows first and runs the activation (backward: its derivative) as a
+separate Triton pass over the stored h; a CUTLASS down stage leaves the down bias to the combine.
+With `save_gate_up` (`mok::fused_moe_train`, autograd at compute-bound sizes) the forward also returns
+that h and the backward reads it (`gate_up_out`) instead of recomputing the gate_up GEMM.
+
+Weight on input (Llama4, `weight_on_input=True`): the same launches behind constexpr flags (Triton only).
     forward  gate_up loads A rows as (x[t] * w[t,k]).to(x.dtype) (A_SCALE); combine unweighted
     backward gate_up_bwd recomputes h from the scaled rows, dh = act'(h) * g2 (no w), stores act(h)
              unscaled and no partial d(weights); dW2 = go^T act, db2 = sum go; dW1 reads the
@@ -140,8 +147,10 @@ def _logits(x, router, router_bias, kw):
 
 
 def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                      down_bias, **kw):
-    """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`."""
+                      down_bias, save_gate_up=False, **kw):
+    """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`; with
+    `save_gate_up` (`mok::fused_moe_train`) also h = x @ W1 (+ nothing: biases are added later) per pair
+    in sorted order, from the CUTLASS gathered GEMM, for the backward to read instead of recomputing."""
     kw = with_defaults(kw)
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -154,20 +163,24 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
         weights_dtype=weights_dtype)
     if T == 0:
-        return x.new_empty((0, H)), w, ids
+        gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
+        return (x.new_empty((0, H)), w, ids) + ((x.new_empty((0, gate_up_cols)),) if save_gate_up else ())
     disp = Dispatch(ids, chunk_counts, E, block_t)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     col_mul, up_off = _gate_up_columns(I, kw)
     woi = kw.get("weight_on_input", False)
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
+    if save_gate_up:  # `kernels.saves_gate_up` checked everything but alignment
+        eng["gathered"] = "cutlass"
     act_code = activation_code(kw["activation"], kw["gated"])
+    h = None
     if eng["gathered"] == "cutlass":
-        h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
+        h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp),
+                                    _kn(cutlass_gemm.aligned_weights(gate_up_proj), kw["transposed"]), disp)
         act = cutlass_gemm.activation_rows(h, disp, ids, gate_up_bias, I, gated=kw["gated"],
                                            interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,
                                            up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
-        del h
     else:
         act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
         _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I,
@@ -176,19 +189,22 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
               a_scale=w if woi else None)
     if eng["sorted"] == "cutlass":  # the down bias is added in the combine
         y = cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp)
-        return combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids), w, ids
-    y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
-    _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I, gather=False,
-          gated=False, act=0, col_mul=1, up_off=0, kw=kw,
-          cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
-    out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype)
-    return out, w, ids
+        out = combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids)
+    else:
+        y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
+        _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I,
+              gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=kw,
+              cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
+        out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype)
+    return (out, w, ids, h) if save_gate_up else (out, w, ids)
 
 
 def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                        gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
-    """Gradients with the semantics of `reference.fused_moe_backward_reference`."""
+    """Gradients with the semantics of `reference.fused_moe_backward_reference`. `gate_up_out`: h saved by
+    `fused_moe_forward(save_gate_up=True)`; the backward then skips recomputing it."""
     kw = with_defaults(kw)
+    gate_up_out = kw.pop("gate_up_out", None)
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
@@ -213,20 +229,28 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     TK = T * K
 
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
+    if gate_up_out is not None:  # the forward ran the CUTLASS gathered path
+        eng["gathered"] = "cutlass"
     act_code = activation_code(kw["activation"], gated)
-    xs = gos = None
-    if eng["gathered"] == "cutlass" or eng["wgrad"] == "cutlass":  # sorted copies of x and go rows
-        xs, gos = cutlass_gemm.gather_rows(x, disp), cutlass_gemm.gather_rows(go, disp)
+    # sorted copies of x and go rows, for the CUTLASS stages that read them
+    gos = cutlass_gemm.gather_rows(go, disp) if "cutlass" in (eng["gathered"], eng["wgrad"]) else None
+    xs = None
+    if eng["wgrad"] == "cutlass" or (eng["gathered"] == "cutlass" and gate_up_out is None):
+        xs = cutlass_gemm.gather_rows(x, disp)
 
-    # g2 = go[t] @ W2[e]^T per pair; then h recomputed with dh, act(h), partial d(topk_weights).
+    # g2 = go[t] @ W2[e]^T per pair; then h (saved or recomputed) with dh, act(h), partial d(topk_weights).
     w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
     w2_i, w2_h = _down_strides(down_proj, transposed)
     if eng["gathered"] == "cutlass":
-        g2 = cutlass_gemm.grouped_mm(gos, _kn(down_proj, transposed, backward=True), disp)
-        h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
+        g2 = cutlass_gemm.grouped_mm(gos, _kn(cutlass_gemm.aligned_weights(down_proj), transposed, backward=True),
+                                     disp)
+        h = gate_up_out
+        if h is None:
+            h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
         dh, act_w, dw_parts = cutlass_gemm.activation_bwd_rows(
             h, g2, w_flat, disp, topk_ids, gate_up_bias, I, gated=gated, interleaved=kw["interleaved"],
-            act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
+            act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"],
+            h_is_saved=gate_up_out is not None)
         del h, g2
     else:
         dh, act_w, dw_parts = _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, down_proj,

@@ -121,8 +121,9 @@ def _fused_moe_cpu(hidden_states, router, router_bias, selection_bias, gate_up_p
 
 
 def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
-                            gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
-    kw = with_defaults(kw)
+                            gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
+                            gate_up_out=None, **kw):
+    kw = with_defaults(kw)  # gate_up_out (a saved h) is for the CUDA kernels; the CPU kernel recomputes h
     library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                          down_bias, **kw)
     args = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,

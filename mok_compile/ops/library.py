@@ -39,16 +39,26 @@ FUSED_MOE_SCHEMA = (
     f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
 )
+# `gate_up_out`: h = x @ W1 (+ b1) per pair in expert-sorted order, saved by `fused_moe_train`; when
+# given (CUDA only), the backward reads it instead of recomputing that GEMM. Other kernels ignore it.
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
-    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}) "
+    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None) "
     "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
+)
+
+# The forward autograd runs when gradients are needed and the backward would otherwise recompute an
+# expensive h (CUDA, compute-bound sizes, see `mok_compile.kernels.saves_gate_up`): also returns h.
+FUSED_MOE_TRAIN_SCHEMA = (
+    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
+    "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out)"
 )
 
 lib = torch.library.Library("mok", "DEF")
 lib.define(FUSED_MOE_SCHEMA)
 lib.define(FUSED_MOE_BACKWARD_SCHEMA)
+lib.define(FUSED_MOE_TRAIN_SCHEMA)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -172,6 +182,15 @@ def _fused_moe_fake(hidden_states, router, router_bias, selection_bias, gate_up_
     return out, weights, ids
 
 
+@torch.library.register_fake("mok::fused_moe_train")
+def _fused_moe_train_fake(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                          down_bias, **kw):
+    out, weights, ids = _fused_moe_fake(hidden_states, router, router_bias, selection_bias, gate_up_proj,
+                                        gate_up_bias, down_proj, down_bias, **kw)
+    gate_up_cols = gate_up_proj.shape[2] if with_defaults(kw)["transposed"] else gate_up_proj.shape[1]
+    return out, weights, ids, hidden_states.new_empty((ids.numel(), gate_up_cols))
+
+
 @torch.library.register_fake("mok::fused_moe_backward")
 def _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
                              gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
@@ -211,13 +230,30 @@ def _redispatch(op, keyset, args, kwargs):
         return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
 
 
+def _saves_gate_up(args, kwargs) -> bool:
+    """Whether the forward should also return h for the backward (decided from shapes, dtypes and device
+    alone, so fake tensors decide the same way); see `mok_compile.kernels.saves_gate_up`."""
+    if not args[0].is_cuda:
+        return False
+    from ..kernels import saves_gate_up
+
+    return saves_gate_up(args[0], args[4], args[6], with_defaults(kwargs))
+
+
 class _FusedMoeFunction(torch.autograd.Function):
-    """Autograd of `mok::fused_moe`: saves the inputs and the routing (K * (4 + 8) bytes per token)."""
+    """Autograd of `mok::fused_moe`: saves the inputs and the routing (K * (4 + 8) bytes per token), and on
+    CUDA at compute-bound sizes also h = x @ W1 per pair (K * 2I * 2 bytes per token in bf16), which saves
+    the backward a third of the forward's FLOPs."""
 
     @staticmethod
     def forward(ctx, keyset, kwargs, *args):
-        out = _redispatch(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
-        ctx.save_for_backward(*args, out[1], out[2])
+        if _saves_gate_up(args, kwargs):
+            out, weights, ids, gate_up_out = torch.ops.mok.fused_moe_train(*args, **kwargs)
+            out = (out, weights, ids)
+            ctx.save_for_backward(*args, weights, ids, gate_up_out)
+        else:
+            out = _redispatch(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
+            ctx.save_for_backward(*args, out[1], out[2])
         ctx.kwargs = kwargs
         ctx.mark_non_differentiable(out[2])
         return out
@@ -226,10 +262,11 @@ class _FusedMoeFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_topk_weights, _grad_ids):
         saved = ctx.saved_tensors
         tensors, topk_weights, topk_ids = saved[:8], saved[8], saved[9]
+        extra = {"gate_up_out": saved[10]} if len(saved) > 10 else {}
         if grad_out is None:
             grad_out = torch.zeros_like(tensors[0])
         d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = torch.ops.mok.fused_moe_backward(
-            grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids, **ctx.kwargs)
+            grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids, **ctx.kwargs, **extra)
         # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
         return None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias
 

@@ -275,8 +275,10 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  top_k, routing="softmax_topk", router_is_logits=False, router_fp32=False,
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
-                                 transposed=False, alpha=1.702, limit=7.0, weight_on_input=False):
-    """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order.
+                                 transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
+                                 gate_up_out=None):
+    """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
+    (`gate_up_out`, a saved h for the CUDA kernels, is not read).
 
     weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.

@@ -34,6 +34,12 @@ def check(variant, T, H, I, E, K, dtype, prefix=""):
     names = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
     res["grad_err"] = {n: rel_err(a, b) for n, a, b in zip(names, grads, r_grads) if b is not None}
     res["grad_missing"] = [n for n, a, b in zip(names, grads, r_grads) if (a is None) != (b is None)]
+    if prefix == "cutlass/":  # the training forward's saved h, read by the backward instead of recomputed
+        *fwd, h = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+        res["saved_out_equal"] = bool(torch.equal(fwd[0], out))
+        saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **kw)
+        res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
+        res["h_unchanged"] = bool(torch.equal(h, moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3]))
     return res
 
 
@@ -42,7 +48,7 @@ if __name__ == "__main__":
         print(json.dumps(check(*case)), flush=True)
     # The CUTLASS engine's glue (gathers, activation passes, bias sums, layouts) with PyTorch's CPU
     # grouped_mm standing in for CUTLASS: eligibility is patched to ignore the device and dtype.
-    cutlass_gemm.eligible = lambda x, w1, w2, I, woi: not woi and x.shape[1] % 8 == 0 and I % 8 == 0
+    cutlass_gemm.eligible = lambda x, w1, w2, I, woi, **_: not woi and x.shape[1] % 8 == 0 and I % 8 == 0
     os.environ["MOK_GEMM_ENGINE"] = "cutlass"
     for case in CUTLASS_INTERPRET_CASES:
         print(json.dumps(check(*case, prefix="cutlass/")), flush=True)

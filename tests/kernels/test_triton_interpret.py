@@ -46,3 +46,14 @@ def test_backward_matches_reference(interpreter_results):
         assert not res["grad_missing"], res
         for name, err in res["grad_err"].items():
             assert err < tol, (name, res)
+
+
+def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
+    """The CUTLASS engine's training path: h saved by the forward, read (not overwritten) by the backward."""
+    saved = [res for res in interpreter_results if "grad_err_saved" in res]
+    assert saved
+    for res in saved:
+        tol = 1e-5 if res["case"].endswith("float32") else 3e-3
+        assert res["saved_out_equal"] and res["h_unchanged"], res
+        for name, err in res["grad_err_saved"].items():
+            assert err < tol, (name, res)
