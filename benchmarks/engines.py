@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from benchmarks.moe_layer import SHAPES, bench, build_block, fwd_bwd, graphed, peak_bytes
+from benchmarks.moe_layer import SHAPES, bench, build_block, fwd_bwd, graphed, host_profile, peak_bytes
 from mok_compile import hf_blocks
 
 ENGINES = ("triton", "cutlass", "auto")
@@ -53,23 +53,11 @@ def kernel_times(step) -> dict:
     return {k: round(v, 4) for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:16]}
 
 
-def host_profile(step, log):
-    import cProfile
-    import io
-    import pstats
-
+def warm_host_profile(step, log):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    log(buf.getvalue()[-6000:])
+    log(host_profile(step, steps=20, rows=25)[-6000:])
 
 
 def run(name, T, engines, with_kernels, with_host, log):
@@ -88,7 +76,7 @@ def run(name, T, engines, with_kernels, with_host, log):
         step = fwd_bwd(op, x, params)
         step()
         if with_host and first is None:
-            host_profile(step, log)
+            warm_host_profile(step, log)
         # output and input gradient in full; weight gradients by their norms (a full copy of DeepSeek-V3's
         # weight gradients would not fit next to them)
         result = [op(x).detach(), x.grad.clone()] + [p.grad.float().norm() for p in params if p.grad is not None]

@@ -136,21 +136,26 @@ def profile(fn, x, params, label):
         torch.cuda.synchronize()
     ka = p.key_averages()
     print(f"--- {label}: host time per fwd+bwd step {cpu_ms:.3f} ms", flush=True)
+    print(host_profile(step)[-4000:], flush=True)
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+    print(ka.table(sort_by="self_device_time_total", row_limit=18), flush=True)
+
+
+def host_profile(step, steps=10, rows=15) -> str:
+    """cProfile of `steps` calls of `step` (host time: launches are asynchronous), top rows by own time."""
     import cProfile
     import io
     import pstats
 
-    cp = cProfile.Profile()
-    cp.enable()
-    for _ in range(10):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
         step()
-    cp.disable()
+    prof.disable()
     torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(15)
-    print(buf.getvalue()[-4000:], flush=True)
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
-    print(ka.table(sort_by="self_device_time_total", row_limit=18), flush=True)
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
 
 
 def fwd_bwd(fn, x, params):
