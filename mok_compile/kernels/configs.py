@@ -87,6 +87,7 @@ def _tuned() -> dict:
         return {}
 
 
+@functools.cache
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

@@ -110,12 +110,15 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
-    A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False,
+    A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
+    STORE_H: tl.constexpr = False,
 ):
     """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
     A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
     DW_DOT: the epilogue also writes dw_part[pid_n, row] = sum over this N-tile of the fp32 product
-    times dot[pair // TOPK] (backward dgrad: d w = <dxs, x> per N-tile, summed later in fixed order)."""
+    times dot[pair // TOPK] (backward dgrad: d w = <dxs, x> per N-tile, summed later in fixed order).
+    STORE_H (training forward gate_up): also store the product before bias and activation, rounded, in
+    W's column layout (h[row, c] for c < 2I gated), for the backward to read instead of recomputing."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -146,6 +149,17 @@ def _grouped_gemm_kernel(
         dot = tl.load(dot_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_dot + n[None, :],
                       mask=rmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
         tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(acc * dot, axis=1), mask=rmask)
+    if STORE_H:
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hm
+        if INTERLEAVED:  # acc's columns are already h's: gate n, up n, gate n+1, ...
+            hc = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+            tl.store(h_rows + hc[None, :], acc.to(DT), mask=rmask[:, None] & (hc < 2 * N)[None, :])
+        elif GATED:
+            hg, hu = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            tl.store(h_rows + (n * col_mul)[None, :], hg.to(DT), mask=rmask[:, None] & nmask[None, :])
+            tl.store(h_rows + (n * col_mul + up_off)[None, :], hu.to(DT), mask=rmask[:, None] & nmask[None, :])
+        else:
+            tl.store(h_rows + n[None, :], acc.to(DT), mask=rmask[:, None] & nmask[None, :])
     bias_base = bias_ptr + e.to(tl.int64) * stride_bias_e
     if GATED:
         g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))

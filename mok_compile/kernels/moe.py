@@ -44,7 +44,7 @@ import triton
 
 from ..ops import reference
 from ..ops.spec import with_defaults
-from . import configs, cutlass_gemm
+from . import activation_pass, configs, cutlass_gemm
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -99,10 +99,11 @@ def _grid_rows(num_pairs, E, block_m):
 
 
 def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_mul, up_off, kw, cfg, precision,
-          a_scale=None, dw_dot=None, dw_parts=None):
+          a_scale=None, dw_dot=None, dw_parts=None, h_out=None):
     """One grouped GEMM launch. `a_scale` [T*K]: scale each (gathered) A row by its pair's weight;
     `dw_dot` [T, n] with `dw_parts` [cdiv(n, BLOCK_N), T*K] fp32: write the rows' partial dot products
-    with dw_dot[token] per N-tile (both weight on input only; the default path passes neither)."""
+    with dw_dot[token] per N-tile (both weight on input only; the default path passes neither);
+    `h_out` [T*K, 2I or I]: also store the gate_up product before bias and activation (STORE_H)."""
     cfg = dict(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (_grid_rows(disp.num_pairs, disp.num_experts, bm) * triton.cdiv(n, bn),)
@@ -112,6 +113,8 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
     if dw_dot is not None:
         extra.update(dot_ptr=dw_dot, dw_part_ptr=dw_parts, stride_dot=dw_dot.stride(0), TK=disp.num_pairs,
                      DW_DOT=True)
+    if h_out is not None:
+        extra.update(h_ptr=h_out, stride_hm=h_out.stride(0), STORE_H=True)
     _grouped_gemm_kernel[grid](
         a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
         n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
@@ -149,8 +152,8 @@ def _logits(x, router, router_bias, kw):
 def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, save_gate_up=False, **kw):
     """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`; with
-    `save_gate_up` (`mok::fused_moe_train`) also h = x @ W1 (+ nothing: biases are added later) per pair
-    in sorted order, from the CUTLASS gathered GEMM, for the backward to read instead of recomputing."""
+    `save_gate_up` (`mok::fused_moe_train`) also h = x @ W1 per pair in sorted order (before bias and
+    activation, in the input dtype), for the backward to read instead of recomputing that GEMM."""
     kw = with_defaults(kw)
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -171,22 +174,21 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     col_mul, up_off = _gate_up_columns(I, kw)
     woi = kw.get("weight_on_input", False)
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
-    if save_gate_up:  # `kernels.saves_gate_up` checked everything but alignment
-        eng["gathered"] = "cutlass"
     act_code = activation_code(kw["activation"], kw["gated"])
     h = None
     if eng["gathered"] == "cutlass":
-        h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp),
-                                    _kn(cutlass_gemm.aligned_weights(gate_up_proj), kw["transposed"]), disp)
-        act = cutlass_gemm.activation_rows(h, disp, ids, gate_up_bias, I, gated=kw["gated"],
-                                           interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,
-                                           up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
+        h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
+        act = activation_pass.activation_rows(h, disp, ids, gate_up_bias, I, gated=kw["gated"],
+                                              interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,
+                                              up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
     else:
+        if save_gate_up:
+            h = torch.empty((T * K, (2 if kw["gated"] else 1) * I), dtype=x.dtype, device=x.device)
         act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
         _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I,
               kd=H, gather=True, gated=kw["gated"], act=act_code, col_mul=col_mul, up_off=up_off, kw=kw,
               cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device), precision=precision,
-              a_scale=w if woi else None)
+              a_scale=w if woi else None, h_out=h)
     if eng["sorted"] == "cutlass":  # the down bias is added in the combine
         y = cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp)
         out = combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids)
@@ -229,8 +231,6 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     TK = T * K
 
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
-    if gate_up_out is not None:  # the forward ran the CUTLASS gathered path
-        eng["gathered"] = "cutlass"
     act_code = activation_code(kw["activation"], gated)
     # sorted copies of x and go rows, for the CUTLASS stages that read them
     gos = cutlass_gemm.gather_rows(go, disp) if "cutlass" in (eng["gathered"], eng["wgrad"]) else None
@@ -241,13 +241,15 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     # g2 = go[t] @ W2[e]^T per pair; then h (saved or recomputed) with dh, act(h), partial d(topk_weights).
     w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
     w2_i, w2_h = _down_strides(down_proj, transposed)
-    if eng["gathered"] == "cutlass":
-        g2 = cutlass_gemm.grouped_mm(gos, _kn(cutlass_gemm.aligned_weights(down_proj), transposed, backward=True),
-                                     disp)
+    if eng["gathered"] == "cutlass" or gate_up_out is not None:
+        if eng["gathered"] == "cutlass":
+            g2 = cutlass_gemm.grouped_mm(gos, _kn(down_proj, transposed, backward=True), disp)
+        else:
+            g2 = _g2_triton(go, disp, down_proj, (w2_h, w2_i), I, kw, rows_per_expert, precision)
         h = gate_up_out
         if h is None:
             h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
-        dh, act_w, dw_parts = cutlass_gemm.activation_bwd_rows(
+        dh, act_w, dw_parts = activation_pass.activation_bwd_rows(
             h, g2, w_flat, disp, topk_ids, gate_up_bias, I, gated=gated, interleaved=kw["interleaved"],
             act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"],
             h_is_saved=gate_up_out is not None)
@@ -317,15 +319,21 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias
 
 
+def _g2_triton(go, disp, down_proj, w2_kn_strides, I, kw, rows_per_expert, precision):
+    """g2 = go[token] @ W2[e]^T per pair (gathered Triton GEMM)."""
+    g2 = torch.empty((disp.num_pairs, I), dtype=go.dtype, device=go.device)
+    _gemm(go, disp, down_proj, w2_kn_strides, None, g2, n=I, kd=go.shape[1], gather=True, gated=False, act=0,
+          col_mul=1, up_off=0, kw=kw, cfg=configs.config("bwd_g2", go.dtype, rows_per_expert, go.device),
+          precision=precision)
+    return g2
+
+
 def _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, down_proj, I, kw, rows_per_expert,
                              precision, w1_kn_strides, w2_kn_strides, col_mul, up_off, act_code):
     """(dh, w * act(h), dw_parts) by the Triton g2 GEMM + `_gate_up_bwd_kernel` (h recomputed, never stored)."""
     TK, E = disp.num_pairs, disp.num_experts
     gated, woi = kw["gated"], kw.get("weight_on_input", False)
-    g2 = torch.empty((TK, I), dtype=x.dtype, device=x.device)
-    _gemm(go, disp, down_proj, w2_kn_strides, None, g2, n=I, kd=x.shape[1], gather=True, gated=False, act=0,
-          col_mul=1, up_off=0, kw=kw, cfg=configs.config("bwd_g2", x.dtype, rows_per_expert, x.device),
-          precision=precision)
+    g2 = _g2_triton(go, disp, down_proj, w2_kn_strides, I, kw, rows_per_expert, precision)
     cfg = configs.config("bwd_gate_up", x.dtype, rows_per_expert, x.device)
     n_parts = triton.cdiv(I, cfg["BLOCK_N"])
     # Weight on input: d(topk_weights) comes from dgrad's epilogue instead; nothing is written here.

@@ -48,8 +48,8 @@ FUSED_MOE_BACKWARD_SCHEMA = (
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
 )
 
-# The forward autograd runs when gradients are needed and the backward would otherwise recompute an
-# expensive h (CUDA, compute-bound sizes, see `mok_compile.kernels.saves_gate_up`): also returns h.
+# The forward autograd runs on CUDA when gradients are needed (`mok_compile.kernels.saves_gate_up`):
+# also returns h, so that the backward does not recompute the gate_up GEMM.
 FUSED_MOE_TRAIN_SCHEMA = (
     f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out)"
@@ -241,9 +241,9 @@ def _saves_gate_up(args, kwargs) -> bool:
 
 
 class _FusedMoeFunction(torch.autograd.Function):
-    """Autograd of `mok::fused_moe`: saves the inputs and the routing (K * (4 + 8) bytes per token), and on
-    CUDA at compute-bound sizes also h = x @ W1 per pair (K * 2I * 2 bytes per token in bf16), which saves
-    the backward a third of the forward's FLOPs."""
+    """Autograd of `mok::fused_moe`: saves the inputs and the routing (K * (4 + 8) bytes per token), and
+    with the CUDA kernels also h = x @ W1 per pair (K * 2I * 2 bytes per token in bf16), which saves the
+    backward a third of the forward's FLOPs (and a second read of W1 at few tokens)."""
 
     @staticmethod
     def forward(ctx, keyset, kwargs, *args):

@@ -23,6 +23,7 @@ Routing families (see shared/moe-semantics.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid")
@@ -115,15 +116,20 @@ def op_kwargs(routing: RoutingSpec, experts: ExpertSpec) -> dict:
     return {**dataclasses.asdict(routing), **dataclasses.asdict(experts)}
 
 
+@functools.cache
+def _scalar_defaults() -> tuple:
+    return tuple((f.name, f.default) for cls in (RoutingSpec, ExpertSpec) for f in dataclasses.fields(cls)
+                 if f.default is not dataclasses.MISSING)
+
+
 def scalar_defaults() -> dict:
     """Defaults of the op's keyword arguments (the dispatcher omits arguments left at their default)."""
-    return {f.name: f.default for cls in (RoutingSpec, ExpertSpec) for f in dataclasses.fields(cls)
-            if f.default is not dataclasses.MISSING}
+    return dict(_scalar_defaults())
 
 
 def with_defaults(kwargs: dict) -> dict:
-    """The op's full keyword arguments: `kwargs` completed with the schema defaults."""
-    return {**scalar_defaults(), **kwargs}
+    """The op's full keyword arguments: `kwargs` completed with the schema defaults (per call: cached)."""
+    return {**dict(_scalar_defaults()), **kwargs}
 
 
 def specs_from_kwargs(kwargs: dict) -> tuple[RoutingSpec, ExpertSpec]:

@@ -49,7 +49,7 @@ def test_backward_matches_reference(interpreter_results):
 
 
 def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
-    """The CUTLASS engine's training path: h saved by the forward, read (not overwritten) by the backward."""
+    """The training path of both engines: h saved by the forward, read (not overwritten) by the backward."""
     saved = [res for res in interpreter_results if "grad_err_saved" in res]
     assert saved
     for res in saved:
