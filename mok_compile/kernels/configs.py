@@ -115,8 +115,9 @@ def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torc
 # CUTLASS is used from this many mean rows per expert (T * top_k / E) on; measured on an H200 with
 # `python -m benchmarks.engines` (table in benchmarks/NOTES-gpu.md): Triton wins at few rows per
 # expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~256 rows on for
-# the sorted GEMMs, from ~512 for the gathered ones, and in the weight gradients from ~64. MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks),
-# or per stage: MOK_GEMM_ENGINE=gathered=triton,sorted=cutlass,wgrad=cutlass.
+# the sorted GEMMs, from ~512 for the gathered ones, and in the weight gradients from ~64.
+# MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
+# MOK_GEMM_ENGINE=gathered=triton,sorted=cutlass,wgrad=cutlass.
 STAGES = ("gathered", "sorted", "wgrad")
 _CUTLASS_FROM_ROWS = {"gathered": 512, "sorted": 256, "wgrad": 64}
 

@@ -11,12 +11,13 @@ The routing weight is applied in the combine, not in the down GEMM's epilogue: H
 the rounded expert output by the (often fp32) weight and sums in fp32, and doing it where the
 rows are summed reproduces that at no extra memory traffic.
 
-Backward (recomputes the routing layout and h rather than saving them; the autograd
-wiring saves only the op inputs + topk_weights + topk_ids, i.e. K * (4 + 8) bytes per token
-beyond the inputs):
+Backward (recomputes the routing layout; autograd saves the op inputs + topk_weights + topk_ids,
+K * (4 + 8) bytes per token, and h, K * 2I elements per token, from `mok::fused_moe_train`):
     logits recomputed, count, scan, scatter
     g2          g2[r] = go[tok(r)] @ W2[e]^T                (gathered GEMM)
-    gate_up_bwd h = x @ W1 recomputed; epilogue: dh, act(h), partial d(weights) per I-tile
+    act bwd     from the saved h: dh, w * act(h), partial d(weights) per I-tile (activation_pass.py);
+                without it (MOK_RECOMPUTE_GATE_UP=1, a direct call, weight on input) `_gate_up_bwd_kernel`
+                recomputes h = x @ W1 with the same epilogue
     wgrad x2    dW2[e] = sum_r go[r]^T (w act)[r];  dW1[e] = sum_r dh[r]^T x[r]  (+ bias grads)
     dgrad       dxp[r] = dh[r] @ W1[e]
     route_bwd   d(logits) from d(weights)
@@ -26,8 +27,8 @@ GEMM engines (`configs.engine`, per stage, by mean rows per expert): the Triton 
 PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`; bf16 on Hopper) where it is faster. A CUTLASS
 gathered stage gathers the rows first and runs the activation (backward: its derivative) as a
 separate Triton pass over the stored h; a CUTLASS down stage leaves the down bias to the combine.
-With `save_gate_up` (`mok::fused_moe_train`, autograd at compute-bound sizes) the forward also returns
-that h and the backward reads it (`gate_up_out`) instead of recomputing the gate_up GEMM.
+With `save_gate_up` (`mok::fused_moe_train`, autograd on CUDA) the forward also returns h (from the
+CUTLASS GEMM, or stored by the Triton gate_up epilogue: STORE_H) and the backward reads it (`gate_up_out`).
 
 Weight on input (Llama4, `weight_on_input=True`): the same launches behind constexpr flags (Triton only).
     forward  gate_up loads A rows as (x[t] * w[t,k]).to(x.dtype) (A_SCALE); combine unweighted

@@ -12,7 +12,8 @@ it needs no host synchronisation and traces under dynamic shapes.
 Device kernels attach per dispatch key: the reference (`reference.py`) is the
 CompositeExplicitAutograd kernel every device falls back to, `cpu.py` overrides
 CPU with the C++ kernel and `mok_compile.kernels` overrides CUDA with Triton.
-The backward is its own op, `mok::fused_moe_backward`, with the same structure.
+The backward is its own op, `mok::fused_moe_backward`, with the same structure; on CUDA the
+autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads.
 New features (shared experts, dense weight-on-input routing, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
 and serialized programs valid.
@@ -39,8 +40,9 @@ FUSED_MOE_SCHEMA = (
     f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
 )
-# `gate_up_out`: h = x @ W1 (+ b1) per pair in expert-sorted order, saved by `fused_moe_train`; when
-# given (CUDA only), the backward reads it instead of recomputing that GEMM. Other kernels ignore it.
+# `gate_up_out`: h = x @ W1 per pair in expert-sorted order (before bias and activation), saved by
+# `fused_moe_train`; when given (CUDA only), the backward reads it instead of recomputing that GEMM.
+# Other kernels ignore it.
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None) "
