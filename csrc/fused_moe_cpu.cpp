@@ -451,15 +451,18 @@ void sum_rows_per_token(const Tensor& dx_rows, const ExpertGroups& g, Tensor& d_
 // Each expert's rows go through gather -> GEMM (+ bias) -> activation -> GEMM (+ bias) in one
 // pass, so its intermediate [n, 2I] activations stay in cache; the activation runs the
 // reference's ATen ops on the same per-expert blocks (same bits in bf16).
+// `h_saved` (training): also returns the gate_up GEMM's output before the bias, [T*K, 2I] in
+// expert-sorted rows, which the backward reads instead of recomputing that GEMM.
 Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids, const Tensor& gate_up,
                        const OptTensor& gate_up_bias, const Tensor& down, const OptTensor& down_bias,
-                       const MoeOptions& o) {
+                       const MoeOptions& o, Tensor* h_saved = nullptr) {
   const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0);
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
   const ExpertGroups g = group_by_expert(topk_ids, E);
   Tensor ys = at::empty({g.order.numel(), H}, x.options());
   advise_huge_pages(ys);
+  if (h_saved != nullptr) *h_saved = at::empty({g.order.numel(), up_out}, x.options());
   // weight_on_input: the routing weight of each sorted row, to scale its gathered input.
   const Tensor ws = o.weight_on_input ? topk_weights.reshape({-1}).index_select(0, g.order) : Tensor();
   for_each_expert(g, H * up_out + inter * H, [&](int64_t e) {
@@ -468,6 +471,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
     // Product in the promoted dtype of x and w (as the reference's `x * w`), rounded to x's dtype.
     if (o.weight_on_input) x_e = at::mul(x_e, ws.narrow(0, s, n).unsqueeze(-1)).to(x.scalar_type());
     Tensor h_e = at::mm(x_e, as_right_factor(gate_up.select(0, e), o.transposed));
+    if (h_saved != nullptr) h_saved->narrow(0, s, n).copy_(h_e);
     if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e));  // after the GEMM's rounding, like HF
     Tensor y_e = ys.narrow(0, s, n);
     at::mm_out(y_e, activate(h_e, o), as_right_factor(down.select(0, e), o.transposed));
@@ -476,13 +480,16 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
   return combine(ys, topk_weights, g, T, H, /*weighted=*/!o.weight_on_input);
 }
 
-std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(
-    const Tensor& hidden_states, const Tensor& router, const OptTensor& router_bias, const OptTensor& selection_bias,
-    const Tensor& gate_up_proj, const OptTensor& gate_up_bias, const Tensor& down_proj, const OptTensor& down_bias,
-    int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32, bool softmax_fp32,
-    bool renormalize, double renorm_eps, double routed_scale, int64_t n_group, int64_t topk_group,
-    bool weights_fp32, c10::string_view activation, bool gated, bool interleaved, bool transposed, double alpha,
-    double limit, bool weight_on_input) {
+#define MOK_CPU_FORWARD_ARGS                                                                                     \
+  const Tensor &hidden_states, const Tensor &router, const OptTensor &router_bias,                              \
+      const OptTensor &selection_bias, const Tensor &gate_up_proj, const OptTensor &gate_up_bias,                \
+      const Tensor &down_proj, const OptTensor &down_bias, int64_t top_k, c10::string_view routing,              \
+      bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
+      double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
+      bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input
+
+// (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
+std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input};
@@ -490,9 +497,26 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
   auto [w, ids] = route(logits, selection_bias, x.scalar_type(), o);
+  Tensor h;
   Tensor out = experts_forward(x, w, ids, gate_up_proj.contiguous(), gate_up_bias, down_proj.contiguous(),
-                               down_bias, o);
+                               down_bias, o, save_h ? &h : nullptr);
+  return {out, w, ids, h};
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
+  auto [out, w, ids, h] = forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj,
+                                       gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
+                                       router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
+                                       topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
+                                       limit, weight_on_input, /*save_h=*/false);
   return {out, w, ids};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS) {
+  return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                      down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
+                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
+                      transposed, alpha, limit, weight_on_input, /*save_h=*/true);
 }
 
 // ----------------------------------------------------------------------------- backward
@@ -508,7 +532,7 @@ BackwardResult fused_moe_backward(
     const Tensor& topk_ids, int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32,
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
-    bool transposed, double alpha, double limit, bool weight_on_input) {
+    bool transposed, double alpha, double limit, bool weight_on_input, const OptTensor& gate_up_out) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input};
@@ -535,6 +559,9 @@ BackwardResult fused_moe_backward(
   const int64_t N = g.order.numel();
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
+  TORCH_CHECK(!gate_up_out.has_value() || gate_up_out->sizes() == at::IntArrayRef({N, up_out}),
+              "mok_cpu.fused_moe_backward: gate_up_out has shape ", gate_up_out.has_value() ? gate_up_out->sizes()
+              : at::IntArrayRef{}, ", expected [", N, ", ", up_out, "]");
   Tensor ws = wts.index_select(0, g.order);  // routing weight of each sorted row
   Tensor dx_rows = at::empty({N, H}, acc_opts);
   advise_huge_pages(dx_rows);
@@ -556,7 +583,7 @@ BackwardResult fused_moe_backward(
 
   // One pass per expert (its [n, 2I] intermediates stay in cache), with W1', W2' such that
   // h = x @ W1' + b1, y = act(h) @ W2' + b2, out += w * y:
-  //   recompute h and a = act(h);
+  //   h (read from gate_up_out when the training forward saved it, else recomputed) and a = act(h);
   //   g2 = go @ W2'^T; d(routing weight) = <go, y> = <g2, a> + <go, b2> (no second forward GEMM);
   //   da = w * g2, dy = w * go, dW2 and db2 from dy; dh = act'(h) da; dW1, db1, dx from dh.
   // weight_on_input: h = (w x) @ W1' + b1 and out += y, so dy = go, da = g2, dW1 from w x, and
@@ -570,8 +597,14 @@ BackwardResult fused_moe_backward(
     const Tensor w_e = ws.narrow(0, s, n).unsqueeze(-1);
     const Tensor x_in = o.weight_on_input ? xs_e * w_e : xs_e;  // the expert's input
 
-    Tensor h_e = at::mm(x_in, w1);
-    if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e).to(acc));
+    Tensor h_e;
+    if (gate_up_out.has_value()) {  // never written in place: autograd's saved tensor
+      h_e = gate_up_out->narrow(0, s, n).to(acc);
+      if (gate_up_bias.has_value()) h_e = h_e + gate_up_bias->select(0, e).to(acc);
+    } else {
+      h_e = at::mm(x_in, w1);
+      if (gate_up_bias.has_value()) h_e.add_(gate_up_bias->select(0, e).to(acc));
+    }
     const Tensor a_e = activate(h_e, o);
 
     Tensor da_e = at::mm(go_e, w2.t());
@@ -653,12 +686,15 @@ BackwardResult fused_moe_backward(
 TORCH_LIBRARY(mok_cpu, m) {
   m.def("fused_moe(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
         ") -> (Tensor, Tensor, Tensor)");
+  m.def("fused_moe_train(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
+        ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, " MOK_CPU_WEIGHTS
         ", Tensor topk_weights, Tensor topk_ids, *, " MOK_CPU_SCALARS
-        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ", Tensor? gate_up_out) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mok_cpu, CPU, m) {
   m.impl("fused_moe", &fused_moe_forward);
+  m.impl("fused_moe_train", &fused_moe_train);
   m.impl("fused_moe_backward", &fused_moe_backward);
 }

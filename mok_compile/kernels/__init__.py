@@ -10,7 +10,6 @@ run the reference after one warning; fp64 inputs always run the reference
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -47,14 +46,10 @@ def fused_moe_cuda(hidden_states, router, router_bias, selection_bias, gate_up_p
 
 
 def saves_gate_up(x, gate_up_proj, down_proj, kw) -> bool:
-    """Whether autograd should run `mok::fused_moe_train`, which also returns h = x @ W1 per pair
-    (K * 2I elements per token), so that the backward reads h instead of recomputing the gate_up GEMM
-    (a third of the forward's FLOPs and, at few tokens, a second read of all of W1). From shapes,
-    dtypes and the device only, so fake tensors under torch.compile decide the same way: CUDA kernels,
-    static T, not weight-on-input (its backward keeps the recompute). MOK_RECOMPUTE_GATE_UP=1 keeps the
-    recompute everywhere (saves the memory of h)."""
-    return (isinstance(x.shape[0], int) and x.shape[0] > 0 and not kw["weight_on_input"]
-            and os.environ.get("MOK_RECOMPUTE_GATE_UP", "0") != "1" and _use_triton(x))
+    """Whether autograd runs `mok::fused_moe_train` on CUDA (see `library._saves_gate_up`), which also
+    returns h = x @ W1 per pair so that the backward reads h instead of recomputing the gate_up GEMM
+    (a third of the forward's FLOPs and, at few tokens, a second read of all of W1): the Triton kernels."""
+    return library.may_save_gate_up(x, kw) and _use_triton(x)
 
 
 def fused_moe_train_cuda(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
@@ -64,7 +59,7 @@ def fused_moe_train_cuda(hidden_states, router, router_bias, selection_bias, gat
                          down_bias, **kw)
     if not saves_gate_up(hidden_states, gate_up_proj, down_proj, kw):
         raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
-                           "mok_compile.kernels.saves_gate_up holds (CUDA kernels, static T, not weight-on-input)")
+                           "mok_compile.kernels.saves_gate_up holds (Triton kernels, not weight-on-input)")
     return _kernels().fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj,
                                         gate_up_bias, down_proj, down_bias, save_gate_up=True, **kw)
 

@@ -120,18 +120,39 @@ def _fused_moe_cpu(hidden_states, router, router_bias, selection_bias, gate_up_p
     return torch.ops.mok_cpu.fused_moe(*args, **kw)
 
 
+def saves_gate_up(x, kw) -> bool:
+    """Whether autograd runs `mok::fused_moe_train` on the CPU (see `library._saves_gate_up`): the C++ kernel,
+    fp32/fp64 only. In bf16/fp16 the C++ backward recomputes h in fp32 from the upcast inputs, as the
+    reference does; a saved h rounded to 16 bits would move bf16 gradients by up to a few percent
+    where that recompute matches the reference to one rounding."""
+    return x.dtype in (torch.float32, torch.float64) and library.may_save_gate_up(x, kw) and extension_loaded()
+
+
+def _fused_moe_train_cpu(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw):
+    kw = with_defaults(kw)
+    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                         down_bias, **kw)
+    if not saves_gate_up(hidden_states, kw):
+        raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
+                           "mok_compile.ops.cpu.saves_gate_up holds (C++ kernel, not weight-on-input)")
+    return torch.ops.mok_cpu.fused_moe_train(hidden_states, router, router_bias, selection_bias, gate_up_proj,
+                                             gate_up_bias, down_proj, down_bias, **kw)
+
+
 def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
                             gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
                             gate_up_out=None, **kw):
-    kw = with_defaults(kw)  # gate_up_out (a saved h) is for the CUDA kernels; the CPU kernel recomputes h
+    kw = with_defaults(kw)
     library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                          down_bias, **kw)
     args = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
             gate_up_bias, down_proj, down_bias, topk_weights, topk_ids)
     if not extension_loaded():
         return reference.fused_moe_backward_reference(*args, **kw)
-    return torch.ops.mok_cpu.fused_moe_backward(*args, **kw)
+    return torch.ops.mok_cpu.fused_moe_backward(*args, **kw, gate_up_out=gate_up_out)
 
 
 library.lib.impl("fused_moe", _fused_moe_cpu, "CPU")
+library.lib.impl("fused_moe_train", _fused_moe_train_cpu, "CPU")
 library.lib.impl("fused_moe_backward", _fused_moe_backward_cpu, "CPU")

@@ -12,14 +12,16 @@ it needs no host synchronisation and traces under dynamic shapes.
 Device kernels attach per dispatch key: the reference (`reference.py`) is the
 CompositeExplicitAutograd kernel every device falls back to, `cpu.py` overrides
 CPU with the C++ kernel and `mok_compile.kernels` overrides CUDA with Triton.
-The backward is its own op, `mok::fused_moe_backward`, with the same structure; on CUDA the
-autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads.
+The backward is its own op, `mok::fused_moe_backward`, with the same structure; with the CUDA and
+C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads.
 New features (shared experts, dense weight-on-input routing, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
 and serialized programs valid.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -41,8 +43,8 @@ FUSED_MOE_SCHEMA = (
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
 )
 # `gate_up_out`: h = x @ W1 per pair in expert-sorted order (before bias and activation), saved by
-# `fused_moe_train`; when given (CUDA only), the backward reads it instead of recomputing that GEMM.
-# Other kernels ignore it.
+# `fused_moe_train`; when given, the CUDA and C++ backwards read it instead of recomputing that GEMM
+# (the reference ignores it).
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None) "
@@ -50,8 +52,8 @@ FUSED_MOE_BACKWARD_SCHEMA = (
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
 )
 
-# The forward autograd runs on CUDA when gradients are needed (`mok_compile.kernels.saves_gate_up`):
-# also returns h, so that the backward does not recompute the gate_up GEMM.
+# The forward autograd runs when gradients are needed (`_saves_gate_up`: CUDA and CPU kernels): also
+# returns h, so that the backward does not recompute the gate_up GEMM.
 FUSED_MOE_TRAIN_SCHEMA = (
     f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out)"
@@ -232,19 +234,33 @@ def _redispatch(op, keyset, args, kwargs):
         return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
 
 
-def _saves_gate_up(args, kwargs) -> bool:
-    """Whether the forward should also return h for the backward (decided from shapes, dtypes and device
-    alone, so fake tensors decide the same way); see `mok_compile.kernels.saves_gate_up`."""
-    if not args[0].is_cuda:
-        return False
-    from ..kernels import saves_gate_up
+def may_save_gate_up(x, kw) -> bool:
+    """The device-independent part of the choice to save h for the backward: not weight on the input (its
+    backward keeps the recompute), not opted out with MOK_RECOMPUTE_GATE_UP=1 (which trades the time for
+    the memory of h, K * 2I elements per token). Never a function of T: eager, static and dynamic-shape
+    compiles must take the same path (a saved bf16 h and a recomputed fp32 one differ in the last bits)."""
+    return not kw["weight_on_input"] and os.environ.get("MOK_RECOMPUTE_GATE_UP", "0") != "1"
 
-    return saves_gate_up(args[0], args[4], args[6], with_defaults(kwargs))
+
+def _saves_gate_up(args, kwargs) -> bool:
+    """Whether the forward should also return h for the backward: decided from shapes, dtypes and the
+    device alone, so fake tensors under torch.compile decide the same way. Per device: CUDA with the
+    Triton kernels (`mok_compile.kernels.saves_gate_up`), CPU with the C++ kernel (`cpu.saves_gate_up`)."""
+    x, kw = args[0], with_defaults(kwargs)
+    if x.device.type == "cuda":
+        from ..kernels import saves_gate_up
+
+        return saves_gate_up(x, args[4], args[6], kw)
+    if x.device.type == "cpu":
+        from .cpu import saves_gate_up
+
+        return saves_gate_up(x, kw)
+    return False
 
 
 class _FusedMoeFunction(torch.autograd.Function):
     """Autograd of `mok::fused_moe`: saves the inputs and the routing (K * (4 + 8) bytes per token), and
-    with the CUDA kernels also h = x @ W1 per pair (K * 2I * 2 bytes per token in bf16), which saves the
+    with the CUDA or C++ kernels also h = x @ W1 per pair (K * 2I elements per token), which saves the
     backward a third of the forward's FLOPs (and a second read of W1 at few tokens)."""
 
     @staticmethod

@@ -117,6 +117,14 @@ def check_against_reference(tensors, kw, fwd_rel, bwd_rel, seed=1):
         args = (grad_out, grad_topk_weights, *tensors, w, ids)
         grads = torch.ops.mok.fused_moe_backward(*args, **kw)
         assert_grads_close(grads, args, kw, bwd_rel)
+    if cpu.saves_gate_up(tensors[0], kw):  # the training path: h saved by the forward, read by the backward
+        t_out, t_w, t_ids, h = torch.ops.mok.fused_moe_train(*tensors, **kw)
+        assert torch.equal(t_out, out) and torch.equal(t_w, w) and torch.equal(t_ids, ids)
+        args = (grad_out, grad_w, *tensors, w, ids)
+        saved_h = h.clone()
+        grads = torch.ops.mok.fused_moe_backward(*args, **kw, gate_up_out=h)
+        assert torch.equal(h, saved_h)  # read, never written
+        assert_grads_close(grads, args, kw, bwd_rel)
 
 
 def assert_grads_close(grads, args, kw, bwd_rel):
@@ -250,15 +258,19 @@ def test_deterministic(dtype):
 
 @requires_cpp
 def test_cpp_kernel_is_what_runs():
-    """The dispatcher's CPU kernel calls the C++ ops (seen by the profiler), not the reference."""
+    """The dispatcher's CPU kernel calls the C++ ops (seen by the profiler), not the reference: the forward
+    without gradients, and with them the training forward (which saves h) and the backward."""
     assert cpu.kernel_name() == "cpp"
     tensors, kw = make_inputs("softmax_topk_mixtral", "silu_concat", 9)
     x = tensors[0].clone().requires_grad_(True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.no_grad():
+            torch.ops.mok.fused_moe(x, *tensors[1:], **kw)
         out, _, _ = torch.ops.mok.fused_moe(x, *tensors[1:], **kw)
         out.sum().backward()
     names = {event.name for event in prof.events()}
-    assert {"mok_cpu::fused_moe", "mok_cpu::fused_moe_backward"} <= names, sorted(n for n in names if "mok" in n)
+    expected = {"mok_cpu::fused_moe", "mok_cpu::fused_moe_train", "mok_cpu::fused_moe_backward"}
+    assert expected <= names, sorted(n for n in names if "mok" in n)
 
 
 @requires_cpp
