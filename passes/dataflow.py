@@ -45,29 +45,24 @@ class Dataflow:
 
     def backward_slice(self, roots, stop) -> set[fx.Node]:
         """Every node the values of `roots` depend on, not walking past nodes for which `stop(n)` is true."""
-        seen: set[fx.Node] = set()
-        work = list(roots)
-        while work:
-            n = work.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if stop(n):
-                continue
-            work.extend(self.inputs(n))
-        return seen
+        return _closure(roots, lambda n: () if stop(n) else self.inputs(n))
 
     def forward_slice(self, roots, within=None) -> set[fx.Node]:
         """Every node that reads (transitively) a value of `roots`, restricted to `within` when given."""
-        seen: set[fx.Node] = set()
-        work = list(roots)
-        while work:
-            n = work.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            work.extend(u for u in self.readers(n) if within is None or u in within)
-        return seen
+        return _closure(roots, lambda n: (u for u in self.readers(n) if within is None or u in within))
 
     def sorted(self, nodes) -> list[fx.Node]:
         return sorted(nodes, key=self.order.__getitem__)
+
+
+def _closure(roots, step) -> set[fx.Node]:
+    """`roots` and every node reachable from them through `step(node)` (an iterable of next nodes)."""
+    seen: set[fx.Node] = set()
+    work = list(roots)
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        work.extend(step(n))
+    return seen

@@ -34,13 +34,9 @@ def _use_triton(x):
     return x.dtype != torch.float64 and _kernels() is not None
 
 
-def fused_moe_cuda(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                   down_bias, **kw):
-    kw = with_defaults(kw)
-    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw)
-    args = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
-    if not _use_triton(hidden_states):
+def fused_moe_cuda(*args, **kw):
+    kw = library.checked_kwargs(args, kw)
+    if not _use_triton(args[0]):
         return reference.fused_moe_reference(*args, **kw)
     return _kernels().fused_moe_forward(*args, **kw)
 
@@ -52,16 +48,12 @@ def saves_gate_up(x, gate_up_proj, down_proj, kw) -> bool:
     return library.may_save_gate_up(x, kw) and _use_triton(x)
 
 
-def fused_moe_train_cuda(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw):
-    kw = with_defaults(kw)
-    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw)
-    if not saves_gate_up(hidden_states, gate_up_proj, down_proj, kw):
+def fused_moe_train_cuda(*args, **kw):
+    kw = library.checked_kwargs(args, kw)
+    if not saves_gate_up(args[0], args[4], args[6], kw):
         raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
                            "mok_compile.kernels.saves_gate_up holds (Triton kernels, not weight-on-input)")
-    return _kernels().fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj,
-                                        gate_up_bias, down_proj, down_bias, save_gate_up=True, **kw)
+    return _kernels().fused_moe_forward(*args, save_gate_up=True, **kw)
 
 
 def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, **kw):

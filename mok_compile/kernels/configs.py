@@ -52,24 +52,18 @@ _DEFAULTS = {
 }
 _DEFAULTS["dgrad"] = _DEFAULTS["down"]
 _DEFAULTS["bwd_g2"] = _DEFAULTS["down"]
+_FP32_GEMM = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
 _FP32_DEFAULT = {
-    "gate_up": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
-    "down": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
-    "dgrad": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
-    "bwd_gate_up": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
-    "bwd_g2": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+    **dict.fromkeys(("gate_up", "down", "dgrad", "bwd_g2"), _FP32_GEMM),
+    "bwd_gate_up": {**_FP32_GEMM, "BLOCK_N": 32},
     "wgrad": dict(BLOCK_P=64, BLOCK_Q=64, BLOCK_R=32, num_warps=4, num_stages=2),
 }
 # Small tiles for the CPU interpreter (tests): its cost grows with tile size, not program count.
 _INTERPRET = {
-    "gate_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
-    "down": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
-    "dgrad": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
-    "bwd_gate_up": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
-    "bwd_g2": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1),
+    **dict.fromkeys(("gate_up", "down", "dgrad", "bwd_gate_up", "bwd_g2"),
+                    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)),
     "wgrad": dict(BLOCK_P=16, BLOCK_Q=16, BLOCK_R=16, num_warps=1, num_stages=1),
 }
-
 
 def bucket(rows_per_expert: float) -> str:
     for name, bound in BUCKETS:

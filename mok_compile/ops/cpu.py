@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from . import library, reference
-from .spec import with_defaults
 
 EXTENSION_NAME = "mok_fused_moe_cpu"
 _SOURCE_NAME = "fused_moe_cpu.cpp"
@@ -109,12 +108,8 @@ def kernel_name() -> str:
     return "cpp" if extension_loaded() else "reference"
 
 
-def _fused_moe_cpu(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                   down_bias, **kw):
-    kw = with_defaults(kw)
-    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw)
-    args = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
+def _fused_moe_cpu(*args, **kw):
+    kw = library.checked_kwargs(args, kw)
     if not extension_loaded():
         return reference.fused_moe_reference(*args, **kw)
     return torch.ops.mok_cpu.fused_moe(*args, **kw)
@@ -128,24 +123,19 @@ def saves_gate_up(x, kw) -> bool:
     return x.dtype in (torch.float32, torch.float64) and library.may_save_gate_up(x, kw) and extension_loaded()
 
 
-def _fused_moe_train_cpu(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw):
-    kw = with_defaults(kw)
-    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw)
-    if not saves_gate_up(hidden_states, kw):
+def _fused_moe_train_cpu(*args, **kw):
+    kw = library.checked_kwargs(args, kw)
+    if not saves_gate_up(args[0], kw):
         raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
                            "mok_compile.ops.cpu.saves_gate_up holds (C++ kernel, not weight-on-input)")
-    return torch.ops.mok_cpu.fused_moe_train(hidden_states, router, router_bias, selection_bias, gate_up_proj,
-                                             gate_up_bias, down_proj, down_bias, **kw)
+    return torch.ops.mok_cpu.fused_moe_train(*args, **kw)
 
 
 def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
                             gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
                             gate_up_out=None, **kw):
-    kw = with_defaults(kw)
-    library.check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                         down_bias, **kw)
+    kw = library.checked_kwargs((hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias,
+                                 down_proj, down_bias), kw)
     args = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
             gate_up_bias, down_proj, down_bias, topk_weights, topk_ids)
     if not extension_loaded():

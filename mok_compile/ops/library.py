@@ -172,6 +172,14 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
     return T, H, E, I
 
 
+def checked_kwargs(tensors, kw) -> dict:
+    """`kw` completed with the schema defaults, after `check_inputs(*tensors, **kw)` on the op's eight tensor
+    arguments: how every forward kernel entry starts."""
+    kw = with_defaults(kw)
+    check_inputs(*tensors, **kw)
+    return kw
+
+
 @torch.library.register_fake("mok::fused_moe")
 def _fused_moe_fake(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                     down_bias, **kw):
