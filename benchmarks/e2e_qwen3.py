@@ -5,6 +5,9 @@
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
 Measures one training step (forward + loss + backward, no optimizer) and one prefill forward
 (no_grad), median of triton.testing.do_bench after compilation, and reports tokens/s.
+--profile adds, per backend, the GPU time of one training step inside the `mok::` ops (torch.profiler)
+and the rest, and from them the best training speedup any MoE kernel could give: inductor's step over
+(mok's step without its MoE time + every layer's MoE at the fwd+bwd floor, `moe_layer`'s definition).
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -44,6 +47,48 @@ def build_model(layers, seq):
     return model.train()
 
 
+def step_split(step) -> dict:
+    """GPU kernel time of one `step` inside top-level `mok::` ops, in ms (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+
+    def under_mok(ev):
+        ev = ev.cpu_parent
+        while ev is not None:
+            if ev.name.startswith("mok::"):
+                return True
+            ev = ev.cpu_parent
+        return False
+
+    moe = sum(ev.device_time_total for ev in prof.events() if ev.name.startswith("mok::") and not under_mok(ev))
+    return {"gpu_moe_ms": moe / 1e3}
+
+
+def print_bound(results, layers, tokens):
+    """The best training speedup over inductor if every MoE layer ran at its fwd+bwd floor."""
+    from benchmarks.moe_layer import measure_ceilings
+
+    ceil = measure_ceilings()
+    H, I, E, K = 2048, 768, 128, 8
+    flops = 3 * tokens * K * 3 * 2 * H * I
+    weight_bytes = 3 * E * 3 * H * I * 2
+    floor_ms = max(flops / ceil["matmul_tflops"] / 1e9, weight_bytes / ceil["copy_tbps"] / 1e9)
+    mok = results["mok"]
+    rest = mok["train_ms"] - mok["gpu_moe_ms"]
+    best = results["inductor"]["train_ms"] / (rest + layers * floor_ms)
+    results["moe_floor_fwd_bwd_ms_per_layer"] = floor_ms
+    results["train_speedup_bound"] = best
+    print(f"mok train step {mok['train_ms']:.1f} ms: MoE ops {mok['gpu_moe_ms']:.1f} ms GPU ({layers} layers, "
+          f"{mok['gpu_moe_ms'] / layers:.2f} ms each; fwd+bwd floor {floor_ms:.2f} ms each), the rest {rest:.1f} ms; "
+          f"with every MoE layer at its floor the step would be {rest + layers * floor_ms:.1f} ms: "
+          f"at most {best:.2f}x over inductor ({results['inductor']['train_ms']:.1f} ms)", flush=True)
+
+
 def main():
     import triton
 
@@ -52,6 +97,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="split the training step into MoE and the rest")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from mok_compile.backend import mok_backend
@@ -84,6 +130,8 @@ def main():
         results[name] = {"train_ms": t_train, "prefill_ms": t_fwd, "train_tok_s": tokens / t_train * 1e3,
                          "prefill_tok_s": tokens / t_fwd * 1e3, "compile_s": compile_s,
                          "mok_counters": dict(counters["mok"])}
+        if args.profile:
+            results[name].update(step_split(train_step))
         print(name, results[name], flush=True)
     a, b = tails["inductor"], tails["mok"]
     results["logits_rel_err_mok_vs_inductor"] = ((a - b).norm() / a.norm()).item()
@@ -95,6 +143,8 @@ def main():
     print(f"mok / inductor: train {r['mok']['train_tok_s'] / r['inductor']['train_tok_s']:.2f}x, prefill "
           f"{r['mok']['prefill_tok_s'] / r['inductor']['prefill_tok_s']:.2f}x; logits rel err "
           f"{r['logits_rel_err_mok_vs_inductor']:.1e}")
+    if args.profile:
+        print_bound(results, args.layers, tokens)
     with open(os.path.join(args.out, "e2e_qwen3.json"), "w") as f:
         json.dump(results, f, indent=1)
 

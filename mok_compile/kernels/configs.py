@@ -86,8 +86,23 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+@functools.cache
+def capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
+
+
 def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torch.device) -> dict:
-    """Block sizes and launch options for `kernel` (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad)."""
+    """Block sizes and launch options for `kernel` (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad).
+    `TMA` (grouped GEMMs): B tiles through a TMA descriptor where the weights allow it; MOK_TMA=0|1
+    overrides the table (tests, benchmarks)."""
+    cfg = _config(kernel, dtype, rows_per_expert, device)
+    forced = os.environ.get("MOK_TMA")
+    if forced in ("0", "1") and kernel not in ("wgrad", "bwd_gate_up"):
+        cfg["TMA"] = forced == "1"
+    return cfg
+
+
+def _config(kernel, dtype, rows_per_expert, device):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(_INTERPRET[kernel])
     b = bucket(rows_per_expert)
@@ -104,27 +119,32 @@ def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torc
 # Which engine runs each kind of expert GEMM: our Triton kernels (gather and activation fused into
 # the GEMM) or PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`, faster tiles but unfused).
 #   gathered  forward gate_up, backward g2 and the h recompute (CUTLASS pays a row gather + an activation pass)
-#   sorted    forward down, backward dgrad (A already in sorted order: nothing extra to pay)
+#   down      forward down; dgrad: backward d(pair inputs) (A already in sorted order: nothing extra to pay)
 #   wgrad     both weight gradients (CUTLASS pays the gathers of x and grad_out)
 # CUTLASS is used from this many mean rows per expert (T * top_k / E) on; measured on an H200 with
 # `python -m benchmarks.engines` (table in benchmarks/NOTES-gpu.md): Triton wins at few rows per
 # expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~256 rows on for
 # the sorted GEMMs, from ~512 for the gathered ones, and in the weight gradients from ~64.
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
-# MOK_GEMM_ENGINE=gathered=triton,sorted=cutlass,wgrad=cutlass.
-STAGES = ("gathered", "sorted", "wgrad")
-_CUTLASS_FROM_ROWS = {"gathered": 512, "sorted": 256, "wgrad": 64}
+# MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad).
+# With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient writes its tiles across
+# rows (GPT-OSS T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
+STAGES = ("gathered", "down", "dgrad", "wgrad")
+_CUTLASS_FROM_ROWS = {"gathered": 512, "down": 256, "dgrad": 256, "wgrad": 64}
+_CUTLASS_FROM_ROWS_TRANSPOSED = {**_CUTLASS_FROM_ROWS, "wgrad": 0}
 
 
-def engine(stage: str, rows_per_expert: float) -> str:
+def engine(stage: str, rows_per_expert: float, transposed: bool = False) -> str:
     """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all)."""
     forced = os.environ.get("MOK_GEMM_ENGINE", "")
     if forced:
         if forced in ("triton", "cutlass"):
             return forced
-        choice = dict(part.split("=", 1) for part in forced.split(",")).get(stage)
+        parts = dict(part.split("=", 1) for part in forced.split(","))
+        choice = parts.get(stage, parts.get("sorted") if stage in ("down", "dgrad") else None)
         if choice is not None:
             if choice not in ("triton", "cutlass"):
                 raise ValueError(f"MOK_GEMM_ENGINE: stage {stage!r} must be 'triton' or 'cutlass', got {choice!r}")
             return choice
-    return "cutlass" if rows_per_expert >= _CUTLASS_FROM_ROWS[stage] else "triton"
+    table = _CUTLASS_FROM_ROWS_TRANSPOSED if transposed else _CUTLASS_FROM_ROWS
+    return "cutlass" if rows_per_expert >= table[stage] else "triton"

@@ -18,7 +18,8 @@ Three kernels, each with an upper-bound grid whose surplus programs exit at once
   run-to-run different weight gradients on an H200 with Triton 3.6, so every program
   sums and only the first column's programs store.)
 
-Weights may be in F.linear layout or transposed: kernels take (k, n) strides.
+Weights may be in F.linear layout or transposed: kernels take (k, n) strides. On Hopper a grouped
+GEMM may read its B tiles through TMA instead (`b_desc`, `_mainloop_tma`; chosen per config).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M: tl.c
 @triton.jit
 def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, N, KD, col_mul, up_off,
               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, a_scale_ptrs=None, A_SCALE: tl.constexpr = False):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, a_scale_ptrs=None, A_SCALE: tl.constexpr = False,
+              b_desc=None, e=None, B_KN: tl.constexpr = False):
     """acc = A[a_rows, :] @ B[:, cols] over KD, B[k, c] at b_ptr + k*stride_bk + c*stride_bn.
 
     Gated: one [BLOCK_K, 2*BLOCK_N] B tile whose column 2i is gate column (n0+i)*col_mul and column
@@ -56,37 +58,67 @@ def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, 
     best shape) and `tl.split` of the [BM, BN, 2] view separates them in the epilogue.
 
     A_SCALE (weight on input): each A row is multiplied by its scale (`a_scale_ptrs`, one per row)
-    in fp32 and rounded to A's dtype before the dot, as `(x * w).to(x.dtype)` is in PyTorch."""
-    if GATED:
-        jj = tl.arange(0, 2 * BLOCK_N)
-        ncol = n0 + jj // 2
-        if INTERLEAVED:
-            # Same columns as below, written so that the compiler sees 2*BLOCK_N contiguous columns:
-            # with the [E, H, 2I] layout, (n0 + jj//2) * 2 + jj % 2 made it load B element by element
-            # (GPT-OSS ran at a third of the speed of the other shapes).
-            cols = 2 * n0 + jj
-        else:
-            cols = ncol * col_mul + (jj % 2) * up_off
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+    in fp32 and rounded to A's dtype before the dot, as `(x * w).to(x.dtype)` is in PyTorch.
+
+    b_desc (a TMA descriptor of all experts' weights, `_weight_descriptor`): B tiles come from the
+    Hopper tensor-memory accelerator instead of per-thread loads; see `_mainloop_tma`."""
+    if b_desc is not None:
+        acc = _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED, B_KN, PRECISION, BLOCK_M,
+                            BLOCK_N, BLOCK_K)
     else:
-        ncol = n0 + tl.arange(0, BLOCK_N)
-        cols = ncol
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    nmask = ncol < N
+        if GATED:
+            jj = tl.arange(0, 2 * BLOCK_N)
+            ncol = n0 + jj // 2
+            if INTERLEAVED:
+                # Same columns as below, written so that the compiler sees 2*BLOCK_N contiguous columns:
+                # with the [E, H, 2I] layout, (n0 + jj//2) * 2 + jj % 2 made it load B element by element
+                # (GPT-OSS ran at a third of the speed of the other shapes).
+                cols = 2 * n0 + jj
+            else:
+                cols = ncol * col_mul + (jj % 2) * up_off
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        else:
+            ncol = n0 + tl.arange(0, BLOCK_N)
+            cols = ncol
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        nmask = ncol < N
+        kk = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
+        b_ptrs = b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn
+        if A_SCALE:
+            a_scale = tl.load(a_scale_ptrs, mask=rmask, other=0.0).to(tl.float32)
+        for k0 in range(0, KD, BLOCK_K):
+            kmask = (k0 + kk) < KD
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if A_SCALE:
+                a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED: tl.constexpr, B_KN: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_mainloop` with B from a descriptor ([E, k, n] if B_KN, else [E, n, k]); A stays a per-thread
+    (gathered) load. Gated only with interleaved gate/up columns, whose [BLOCK_K, 2*BLOCK_N] tile is
+    one box (gate and up as separate column blocks took two boxes and two dots: slower than the
+    per-thread loads on an H200)."""
+    WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    c0 = 2 * n0 if GATED else n0
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + kk[None, :]
-    b_ptrs = b_ptr + kk[:, None] * stride_bk + cols[None, :] * stride_bn
-    if A_SCALE:
-        a_scale = tl.load(a_scale_ptrs, mask=rmask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_M, WIDTH), tl.float32)
     for k0 in range(0, KD, BLOCK_K):
-        kmask = (k0 + kk) < KD
-        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if A_SCALE:
-            a = (a.to(tl.float32) * a_scale[:, None]).to(a_ptr.dtype.element_ty)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=rmask[:, None] & ((k0 + kk) < KD)[None, :], other=0.0)
+        if B_KN:
+            b = b_desc.load([e, k0, c0]).reshape(BLOCK_K, WIDTH)
+        else:
+            b = tl.trans(b_desc.load([e, c0, k0]).reshape(WIDTH, BLOCK_K))
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
     return acc
 
 
@@ -111,14 +143,15 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
     A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
-    STORE_H: tl.constexpr = False,
+    STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False,
 ):
     """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
     A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
     DW_DOT: the epilogue also writes dw_part[pid_n, row] = sum over this N-tile of the fp32 product
     times dot[pair // TOPK] (backward dgrad: d w = <dxs, x> per N-tile, summed later in fixed order).
     STORE_H (training forward gate_up): also store the product before bias and activation, rounded, in
-    W's column layout (h[row, c] for c < 2I gated), for the backward to read instead of recomputing."""
+    W's column layout (h[row, c] for c < 2I gated), for the backward to read instead of recomputing.
+    b_desc: B through TMA (`_mainloop_tma`); b_ptr and its strides are then unused."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
@@ -138,7 +171,8 @@ def _grouped_gemm_kernel(
                         BLOCK_K, scale_ptr + pair, True)
     else:
         acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
-                        n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                        n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                        b_desc=b_desc, e=e, B_KN=B_KN)
 
     # Epilogue, rounding where HF's module holds a tensor in the input dtype: the projection's
     # output, the bias add, then each op of the activation.

@@ -40,6 +40,8 @@ Weight on input (Llama4, `weight_on_input=True`): the same launches behind const
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -84,7 +86,7 @@ def _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw):
     """Engine of each GEMM stage (`configs.engine`); Triton wherever CUTLASS is not eligible."""
     if not cutlass_gemm.eligible(x, gate_up_proj, down_proj, I, kw.get("weight_on_input", False)):
         return dict.fromkeys(configs.STAGES, "triton")
-    return {stage: configs.engine(stage, rows_per_expert) for stage in configs.STAGES}
+    return {stage: configs.engine(stage, rows_per_expert, kw["transposed"]) for stage in configs.STAGES}
 
 
 def _gate_up_columns(I, kw):
@@ -116,6 +118,16 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
                      DW_DOT=True)
     if h_out is not None:
         extra.update(h_ptr=h_out, stride_hm=h_out.stride(0), STORE_H=True)
+    # B through TMA: where the tuned config says so; for interleaved gate/up columns (GPT-OSS) unless
+    # MOK_TMA=0 (measured faster there, and the tuning shapes have the other layout); never for gate and
+    # up as column blocks (see `_mainloop_tma`).
+    tma = cfg.pop("TMA", None)
+    if gated:
+        tma = col_mul == 2 and tma is not False
+    if tma and a_scale is None:
+        desc = _weight_descriptor(w, strides_kn, 2 * bn if gated else bn, cfg["BLOCK_K"])
+        if desc is not None:
+            extra.update(b_desc=desc, B_KN=strides_kn[1] == 1)
     _grouped_gemm_kernel[grid](
         a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
         n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
@@ -125,6 +137,25 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         HAS_BIAS=bias is not None, PRECISION=precision,
         BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg, **extra,
     )
+
+
+def _weight_descriptor(w, strides_kn, width, block_k):
+    """TMA descriptor over all experts' weights `w` [E, d1, d2] as stored (d2 contiguous: n for [E, k, n],
+    k for [E, n, k]) with [1, block_k, width] / [1, width, block_k] boxes; None where TMA cannot read
+    them: not Hopper or newer, a 32-bit dtype, or strides and base not 16-byte aligned."""
+    if not (_tma_device(w.device) and w.dim() == 3 and w.element_size() == 2 and w.stride(2) == 1
+            and 1 in strides_kn and w.data_ptr() % 16 == 0 and w.stride(0) % 8 == 0 and w.stride(1) % 8 == 0):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    box = [1, block_k, width] if strides_kn[1] == 1 else [1, width, block_k]
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), box)
+
+
+def _tma_device(device) -> bool:
+    if device.type != "cuda":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return configs.capability(device)[0] >= 9
 
 
 def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_pq, cfg, precision, q_scale=None):
@@ -190,7 +221,7 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
               kd=H, gather=True, gated=kw["gated"], act=act_code, col_mul=col_mul, up_off=up_off, kw=kw,
               cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device), precision=precision,
               a_scale=w if woi else None, h_out=h)
-    if eng["sorted"] == "cutlass":  # the down bias is added in the combine
+    if eng["down"] == "cutlass":  # the down bias is added in the combine
         y = cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp)
         out = combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids)
     else:
@@ -233,10 +264,12 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
 
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
     act_code = activation_code(kw["activation"], gated)
-    # sorted copies of x and go rows, for the CUTLASS stages that read them
-    gos = cutlass_gemm.gather_rows(go, disp) if "cutlass" in (eng["gathered"], eng["wgrad"]) else None
+    # Sorted copies of go and x rows for the CUTLASS stages that read them ([T*K, H] each), made just
+    # before their first use and dropped after their last (peak memory: with the saved h, only one of
+    # them is alive at a time).
+    gos = cutlass_gemm.gather_rows(go, disp) if eng["gathered"] == "cutlass" else None
     xs = None
-    if eng["wgrad"] == "cutlass" or (eng["gathered"] == "cutlass" and gate_up_out is None):
+    if eng["gathered"] == "cutlass" and gate_up_out is None:
         xs = cutlass_gemm.gather_rows(x, disp)
 
     # g2 = go[t] @ W2[e]^T per pair; then h (saved or recomputed) with dh, act(h), partial d(topk_weights).
@@ -264,13 +297,20 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
     if eng["wgrad"] == "cutlass":
+        if gos is None:
+            gos = cutlass_gemm.gather_rows(go, disp)
         d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
+        del gos, act_w
+        if xs is None:
+            xs = cutlass_gemm.gather_rows(x, disp)
         d_gu = cutlass_gemm.wgrad(xs, dh, disp) if transposed else cutlass_gemm.wgrad(dh, xs, disp)
+        del xs
         if d_down_bias is not None:
             cutlass_gemm.segment_sum(go, disp, d_down_bias, gather=True, scale=w_flat)
         if d_gu_bias is not None:
             cutlass_gemm.segment_sum(dh, disp, d_gu_bias, gather=False)
     else:
+        del gos, xs
         wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
         d_down = torch.empty_like(down_proj)
         _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True,
@@ -279,10 +319,10 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
                strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
                q_scale=w_flat if woi else None)
-    del xs, gos, act_w
+        del act_w
 
     # d(input) of each pair, summed per token by the final combine.
-    if eng["sorted"] == "cutlass":
+    if eng["dgrad"] == "cutlass":
         dxp = cutlass_gemm.grouped_mm(dh, _kn(gate_up_proj, transposed, backward=True), disp)
     else:
         dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)

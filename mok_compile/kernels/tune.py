@@ -39,7 +39,8 @@ KERNELS = ("gate_up", "down", "bwd_g2", "bwd_gate_up", "dgrad", "wgrad")
 
 
 def candidates(kernel, bucket):
-    """A few configs per kernel and bucket (gated kernels' B tile is 2 * BLOCK_N wide)."""
+    """A few configs per kernel and bucket (gated kernels' B tile is 2 * BLOCK_N wide); the grouped
+    GEMMs' also with `TMA` (configs.config)."""
     small = bucket in ("m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
     if kernel == "wgrad":
@@ -49,12 +50,20 @@ def candidates(kernel, bucket):
                 _wg(64, 128, 64, 4, 4)]
     if small:
         c = [_mm(16, 64, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4), _mm(32, 128, 64, 4, 4)]
-        return c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(64, 128, 64, 4, 4)]
-    if gated:
-        return [_mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 8, 4), _mm(64, 128, 64, 8, 4), _mm(128, 64, 64, 4, 4),
-                _mm(128, 128, 64, 8, 4), _mm(64, 64, 64, 4, 4)]
-    return [_mm(128, 256, 64, 8, 3), _mm(128, 128, 64, 8, 4), _mm(64, 256, 64, 8, 3), _mm(128, 128, 64, 4, 4),
-            _mm(128, 256, 64, 8, 4)]
+        c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(64, 128, 64, 4, 4)]
+    elif gated:
+        c = [_mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 8, 4), _mm(64, 128, 64, 8, 4), _mm(128, 64, 64, 4, 4),
+             _mm(128, 128, 64, 8, 4), _mm(64, 64, 64, 4, 4)]
+    else:
+        c = [_mm(128, 256, 64, 8, 3), _mm(128, 128, 64, 8, 4), _mm(64, 256, 64, 8, 3), _mm(128, 128, 64, 4, 4),
+             _mm(128, 256, 64, 8, 4)]
+    if gated:  # the tuning shapes' gate and up are column blocks, which never take TMA (moe._gemm)
+        return c
+    # The same tiles with B through TMA (Hopper), and on top a deeper pipeline, which the
+    # registers TMA frees (no per-thread B addresses) may afford.
+    tma = [{**cfg, "TMA": True} for cfg in c]
+    deeper = [{**cfg, "num_stages": cfg["num_stages"] + 1} for cfg in tma if cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 128]
+    return c + tma + deeper
 
 
 class _Problem:

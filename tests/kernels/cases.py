@@ -65,6 +65,12 @@ CUTLASS_INTERPRET_CASES += [
     ("qwen3", 29, 40, 24, 8, 2, torch.float16),
 ]
 
+# The Triton GEMMs with B through TMA descriptors (MOK_TMA=1; 16-bit weights whose strides are multiples
+# of 8): gate and up as column blocks or interleaved, both weight layouts, non-gated, biases.
+TMA_INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float16)
+                       for v in ("qwen3", "gpt_oss", "relu", "relu2", "gelu_tanh_glu", "granite")]
+TMA_INTERPRET_CASES += [("deepseek_v3", 23, 32, 16, 16, 4, torch.float16)]
+
 
 def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0, logits=None):
     """(positional tensors, kwargs) of `mok.fused_moe` for `variant`, random (never zero) values.

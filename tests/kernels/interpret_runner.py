@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 from mok_compile.kernels import cutlass_gemm, moe  # noqa: E402
 from mok_compile.ops import reference  # noqa: E402
-from tests.kernels.cases import CUTLASS_INTERPRET_CASES, INTERPRET_CASES, make_case, rel_err  # noqa: E402
+from tests.kernels.cases import (CUTLASS_INTERPRET_CASES, INTERPRET_CASES, TMA_INTERPRET_CASES, make_case,  # noqa: E402
+                                 rel_err)
 
 def check(variant, T, H, I, E, K, dtype, prefix=""):
     seed = int.from_bytes(os.urandom(2), "little")  # fresh inputs each run; printed to reproduce a failure
@@ -43,9 +44,33 @@ def check(variant, T, H, I, E, K, dtype, prefix=""):
     return res
 
 
+def check_tma(case):
+    """`check` with the Triton GEMMs' B through TMA; counts the descriptors made, so that a silent
+    fallback to per-thread loads fails the test."""
+    made = []
+    make = moe._weight_descriptor
+
+    def counting(*args, **kw):
+        desc = make(*args, **kw)
+        made.append(desc is not None)
+        return desc
+
+    moe._weight_descriptor = counting
+    os.environ["MOK_TMA"] = "1"
+    try:
+        res = check(*case, prefix="tma/")
+    finally:
+        moe._weight_descriptor = make
+        del os.environ["MOK_TMA"]
+    res["tma_descriptors"] = sum(made)
+    return res
+
+
 if __name__ == "__main__":
     for case in INTERPRET_CASES:
         print(json.dumps(check(*case)), flush=True)
+    for case in TMA_INTERPRET_CASES:
+        print(json.dumps(check_tma(case)), flush=True)
     # The CUTLASS engine's glue (gathers, activation passes, bias sums, layouts) with PyTorch's CPU
     # grouped_mm standing in for CUTLASS: eligibility is patched to ignore the device and dtype.
     cutlass_gemm.eligible = lambda x, w1, w2, I, woi, **_: not woi and x.shape[1] % 8 == 0 and I % 8 == 0

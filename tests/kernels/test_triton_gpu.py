@@ -1,7 +1,8 @@
 """The CUDA kernels of `mok::fused_moe` on a GPU: numerics, gradients, determinism, CUDA graphs, edge shapes.
 
 Every test runs with each GEMM engine forced (`MOK_GEMM_ENGINE`: all Triton, all CUTLASS where
-eligible, i.e. bf16 on Hopper) and with the mixed per-stage choice the heuristic makes at large sizes.
+eligible, i.e. bf16 on Hopper) and with the mixed per-stage choice the heuristic makes at large sizes;
+the Triton GEMMs with and without B through TMA (`MOK_TMA`, 16-bit weights on Hopper).
 """
 
 import pytest
@@ -17,13 +18,15 @@ GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
 GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
 
 
-ENGINES = ["triton", "cutlass", "gathered=triton,sorted=cutlass,wgrad=cutlass"]
+# (MOK_GEMM_ENGINE, MOK_TMA)
+ENGINES = [("triton", "0"), ("triton", "1"), ("cutlass", "0"), ("gathered=triton,sorted=cutlass,wgrad=cutlass", "1")]
 
 
-@pytest.fixture(autouse=True, params=ENGINES)
+@pytest.fixture(autouse=True, params=ENGINES, ids=lambda p: f"{p[0]}-tma{p[1]}")
 def engine(request, monkeypatch):
-    monkeypatch.setenv("MOK_GEMM_ENGINE", request.param)
-    return request.param
+    monkeypatch.setenv("MOK_GEMM_ENGINE", request.param[0])
+    monkeypatch.setenv("MOK_TMA", request.param[1])
+    return request.param[0]
 
 
 def test_cutlass_engine_is_eligible_for_bf16_on_hopper():
@@ -247,6 +250,31 @@ def test_compiled_autograd_matches_eager(variant):
         results.append([t.grad for t in leaves if t is not None and t.requires_grad])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_dynamic_shape_compile_and_zero_tokens_under_autograd():
+    """The training path (saved h) is chosen without knowing T: a dynamic-shape compile over two token
+    counts gives the eager gradients bit for bit, and T=0 under autograd gives zero gradients."""
+    tensors0, kw = make_case("qwen3", T=0, H=128, I=64, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    leaves = _leaves(tensors0)
+    out, w, _ = torch.ops.mok.fused_moe(*leaves, **kw)
+    (out.float().sum() + w.float().sum()).backward()
+    assert all((t.grad == 0).all() for t in leaves[1:] if t is not None and t.requires_grad)
+
+    def loss_fn(*ts):
+        out, w, _ = torch.ops.mok.fused_moe(*ts, **kw)
+        return out.float().square().mean() + w.float().sum()
+
+    compiled = torch.compile(loss_fn, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (33, 70):
+        tensors, _ = make_case("qwen3", T=T, H=128, I=64, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+        results = []
+        for fn in (loss_fn, compiled):
+            leaves = _leaves(tensors)
+            fn(*leaves).backward()
+            results.append([t.grad for t in leaves if t is not None and t.requires_grad])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
 
 
 def test_recompute_gate_up_opt_out(monkeypatch):

@@ -26,9 +26,14 @@ def interpreter_results():
 
 
 def test_every_case_ran(interpreter_results):
-    from tests.kernels.cases import CUTLASS_INTERPRET_CASES, INTERPRET_CASES
+    from tests.kernels.cases import CUTLASS_INTERPRET_CASES, INTERPRET_CASES, TMA_INTERPRET_CASES
 
-    assert len(interpreter_results) == len(INTERPRET_CASES) + len(CUTLASS_INTERPRET_CASES)
+    assert len(interpreter_results) == len(INTERPRET_CASES) + len(TMA_INTERPRET_CASES) + len(CUTLASS_INTERPRET_CASES)
+
+
+def test_tma_cases_used_descriptors(interpreter_results):
+    tma = [res for res in interpreter_results if res["case"].startswith("tma/")]
+    assert tma and all(res["tma_descriptors"] > 0 for res in tma), tma
 
 
 def test_forward_matches_reference(interpreter_results):

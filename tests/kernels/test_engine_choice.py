@@ -1,0 +1,39 @@
+"""Which GEMM engine each stage takes (`configs.engine`): thresholds, weight layout, MOK_GEMM_ENGINE."""
+
+import pytest
+
+from mok_compile.kernels import configs
+
+
+@pytest.fixture(autouse=True)
+def no_forced_engine(monkeypatch):
+    monkeypatch.delenv("MOK_GEMM_ENGINE", raising=False)
+
+
+def test_thresholds_by_rows_per_expert():
+    assert configs.engine("gathered", 256) == "triton" and configs.engine("gathered", 512) == "cutlass"
+    assert configs.engine("down", 255) == "triton" and configs.engine("down", 256) == "cutlass"
+    assert configs.engine("dgrad", 255) == "triton" and configs.engine("dgrad", 256) == "cutlass"
+    assert configs.engine("wgrad", 32) == "triton" and configs.engine("wgrad", 64) == "cutlass"
+
+
+def test_transposed_weights_take_cutlass_weight_gradients_at_any_size():
+    assert configs.engine("wgrad", 1, transposed=True) == "cutlass"
+    assert configs.engine("wgrad", 1, transposed=False) == "triton"
+    # only the weight gradient depends on the layout
+    for stage in ("gathered", "down", "dgrad"):
+        assert configs.engine(stage, 32, transposed=True) == "triton"
+
+
+def test_forced_engines(monkeypatch):
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "triton")
+    assert configs.engine("wgrad", 10_000, transposed=True) == "triton"
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "gathered=cutlass,sorted=triton")
+    assert configs.engine("gathered", 1) == "cutlass"
+    assert configs.engine("down", 10_000) == "triton" and configs.engine("dgrad", 10_000) == "triton"
+    assert configs.engine("wgrad", 1) == "triton"  # not named: the threshold decides
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "sorted=triton,dgrad=cutlass")  # a stage's own entry wins
+    assert configs.engine("down", 10_000) == "triton" and configs.engine("dgrad", 1) == "cutlass"
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "down=cuda")
+    with pytest.raises(ValueError, match="stage 'down' must be 'triton' or 'cutlass'"):
+        configs.engine("down", 1)
