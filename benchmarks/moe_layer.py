@@ -1,6 +1,6 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
-    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss] [--tokens 256,4096]
+    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss,llama4] [--tokens 256,4096]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
   hf        transformers' block, experts_implementation="grouped_mm" (its default), eager
@@ -36,6 +36,9 @@ SHAPES = {
     "deepseek_v3": ("deepseek_v3", BlockSizes(hidden=7168, intermediate=2048, experts=256, top_k=8),
                     dict(n_group=8, topk_group=4), (256, 4096)),
     "gpt_oss": ("gpt_oss", BlockSizes(hidden=2880, intermediate=2880, experts=32, top_k=4), {}, (256, 4096)),
+    # Llama4-Scout: weight on the expert input, top-1, a shared expert (outside the op, as in HF). HF's
+    # own experts run densely (every token through every expert, unselected ones with weight 0).
+    "llama4": ("llama4", BlockSizes(hidden=5120, intermediate=8192, experts=16, top_k=1), {}, (256, 4096)),
 }
 
 
@@ -85,7 +88,7 @@ def _first(out):
 def make_runners(family, block):
     """Callables x -> out for hf, hf+comp and mok (same weights)."""
     tensors, kw = hf_blocks.op_arguments(family, block)
-    shared = getattr(block, "shared_experts", None)
+    shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
 
     def mok(x):
         x2 = x.reshape(-1, x.shape[-1])

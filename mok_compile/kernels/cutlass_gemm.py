@@ -37,10 +37,11 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def eligible(x, gate_up_proj, down_proj, I, weight_on_input) -> bool:
+def eligible(x, gate_up_proj, down_proj, I) -> bool:
     """Whether this call can use CUTLASS: bf16 on Hopper (where PyTorch runs its sm90 CUTLASS kernel and
-    what we measured), every row 16-byte aligned (H, I multiples of 8), contiguous weights."""
-    return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16 and not weight_on_input
+    what we measured), every row 16-byte aligned (H, I multiples of 8), contiguous weights. (Weight on
+    input limits it to the weight gradients: `moe._engines`.)"""
+    return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16
             and _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
             and x.shape[1] % 8 == 0 and I % 8 == 0
             and gate_up_proj.dtype == down_proj.dtype == torch.bfloat16
@@ -49,9 +50,13 @@ def eligible(x, gate_up_proj, down_proj, I, weight_on_input) -> bool:
 
 
 
-def gather_rows(x, disp):
-    """x[token of each sorted pair]: the A operand of a gathered GEMM, in expert-sorted order."""
-    return x.index_select(0, disp.sorted_token())
+def gather_rows(x, disp, scale=None):
+    """x[token of each sorted pair]: the A operand of a gathered GEMM, in expert-sorted order.
+    `scale` [T*K] (weight on input): rows (x[t] * scale[pair]).to(x.dtype), the experts' input."""
+    rows = x.index_select(0, disp.sorted_token())
+    if scale is None:
+        return rows
+    return (rows.float() * scale.index_select(0, disp.sorted_pair).float()[:, None]).to(x.dtype)
 
 
 def grouped_mm(a, w_kn, disp):

@@ -83,10 +83,15 @@ def _kn(w, transposed, backward=False):
 
 
 def _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw):
-    """Engine of each GEMM stage (`configs.engine`); Triton wherever CUTLASS is not eligible."""
-    if not cutlass_gemm.eligible(x, gate_up_proj, down_proj, I, kw.get("weight_on_input", False)):
+    """Engine of each GEMM stage (`configs.engine`); Triton wherever CUTLASS is not eligible. Weight on
+    input (Llama4) keeps the forward and dgrad on Triton (the scale sits in their loads and epilogues);
+    its weight gradients may take CUTLASS over pre-scaled rows."""
+    if not cutlass_gemm.eligible(x, gate_up_proj, down_proj, I):
         return dict.fromkeys(configs.STAGES, "triton")
-    return {stage: configs.engine(stage, rows_per_expert, kw["transposed"]) for stage in configs.STAGES}
+    eng = {stage: configs.engine(stage, rows_per_expert, kw["transposed"]) for stage in configs.STAGES}
+    if kw.get("weight_on_input", False):
+        eng.update(gathered="triton", down="triton", dgrad="triton")
+    return eng
 
 
 def _gate_up_columns(I, kw):
@@ -302,11 +307,11 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
         del gos, act_w
         if xs is None:
-            xs = cutlass_gemm.gather_rows(x, disp)
+            xs = cutlass_gemm.gather_rows(x, disp, scale=w_flat if woi else None)
         d_gu = cutlass_gemm.wgrad(xs, dh, disp) if transposed else cutlass_gemm.wgrad(dh, xs, disp)
         del xs
         if d_down_bias is not None:
-            cutlass_gemm.segment_sum(go, disp, d_down_bias, gather=True, scale=w_flat)
+            cutlass_gemm.segment_sum(go, disp, d_down_bias, gather=True, scale=None if woi else w_flat)
         if d_gu_bias is not None:
             cutlass_gemm.segment_sum(dh, disp, d_gu_bias, gather=False)
     else:

@@ -73,7 +73,7 @@ if __name__ == "__main__":
         print(json.dumps(check_tma(case)), flush=True)
     # The CUTLASS engine's glue (gathers, activation passes, bias sums, layouts) with PyTorch's CPU
     # grouped_mm standing in for CUTLASS: eligibility is patched to ignore the device and dtype.
-    cutlass_gemm.eligible = lambda x, w1, w2, I, woi, **_: not woi and x.shape[1] % 8 == 0 and I % 8 == 0
+    cutlass_gemm.eligible = lambda x, w1, w2, I, **_: x.shape[1] % 8 == 0 and I % 8 == 0
     os.environ["MOK_GEMM_ENGINE"] = "cutlass"
     for case in CUTLASS_INTERPRET_CASES:
         print(json.dumps(check(*case, prefix="cutlass/")), flush=True)

@@ -35,11 +35,10 @@ def test_cutlass_engine_is_eligible_for_bf16_on_hopper():
     from mok_compile.kernels import cutlass_gemm
 
     (x, _, _, _, w1, _, w2, _), _ = make_case("qwen3", T=8, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
-    assert cutlass_gemm.eligible(x, w1, w2, 32, False)
-    assert not cutlass_gemm.eligible(x, w1, w2, 32, True)  # weight on input stays on Triton
-    assert not cutlass_gemm.eligible(x.float(), w1, w2, 32, False)
+    assert cutlass_gemm.eligible(x, w1, w2, 32)
+    assert not cutlass_gemm.eligible(x.float(), w1, w2, 32)
     (x, _, _, _, w1, _, w2, _), _ = make_case("qwen3", T=8, H=60, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
-    assert not cutlass_gemm.eligible(x, w1, w2, 32, False)  # rows not 16-byte aligned
+    assert not cutlass_gemm.eligible(x, w1, w2, 32)  # rows not 16-byte aligned
 
 
 def _op(tensors, kw):
