@@ -127,8 +127,8 @@ def _config(kernel, dtype, rows_per_expert, device):
 # the sorted GEMMs, from ~512 for the gathered ones, and in the weight gradients from ~64.
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
 # MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad).
-# With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient writes its tiles across
-# rows (GPT-OSS T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
+# With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
+# T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
 STAGES = ("gathered", "down", "dgrad", "wgrad")
 _CUTLASS_FROM_ROWS = {"gathered": 512, "down": 256, "dgrad": 256, "wgrad": 64}
 _CUTLASS_FROM_ROWS_TRANSPOSED = {**_CUTLASS_FROM_ROWS, "wgrad": 0}
