@@ -41,8 +41,8 @@ VARIANTS = {
 }
 
 # CPU-interpreter checks (variant, T, H, I, E, K, dtype): small odd sizes, T not a multiple of any block.
-INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
-INTERPRET_CASES += [
+EVERY_VARIANT_FP32 = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
+INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("qwen3", 1, 24, 20, 6, 3, torch.float32),
     ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
     ("qwen3", 29, 40, 24, 8, 2, torch.float16),
@@ -56,8 +56,7 @@ INTERPRET_CASES += [
 # The same through the CUTLASS engine (MOK_GEMM_ENGINE=cutlass; H and I multiples of 8): every
 # activation, both layouts, interleaved, biases, one token, most experts empty; weight on input
 # (only its weight gradients take CUTLASS).
-CUTLASS_INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
-CUTLASS_INTERPRET_CASES += [
+CUTLASS_INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("qwen3", 1, 24, 16, 6, 3, torch.float32),
     ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
     ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),
