@@ -66,28 +66,43 @@ def routing_weights_dtype(x_dtype: torch.dtype, weights_fp32: bool) -> torch.dty
     return _acc_dtype(x_dtype) if weights_fp32 else x_dtype
 
 
-def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
-          renorm_eps, routed_scale, n_group, topk_group, weights_fp32):
-    """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
+def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, topk_group):
+    """(choice, scores): per expert, the value whose top-k picks the experts (`choice`; between exactly
+    equal values either pick is right, as torch.topk promises no order) and the one the routing
+    weights are taken from."""
     if routing == "softmax_topk":
         probs = F.softmax(logits, dim=-1, dtype=_acc_dtype(logits.dtype) if softmax_fp32 else logits.dtype)
-        w, ids = torch.topk(probs, top_k, dim=-1)
-    elif routing == "topk_softmax":
+        return probs, probs
+    if routing == "topk_softmax":
         scores = _upcast(logits) if softmax_fp32 else logits
-        top, ids = torch.topk(scores, top_k, dim=-1)
-        w = F.softmax(top, dim=-1, dtype=top.dtype)
-    elif routing == "sigmoid_grouped_topk":
+        return scores, scores
+    if routing == "sigmoid_grouped_topk":
         scores = _upcast(logits).sigmoid()
         choice = scores if selection_bias is None else scores + selection_bias
         if n_group > 1:
             choice = _grouped_choice(choice, n_group, topk_group)
+        return choice, scores
+    if routing == "topk_sigmoid":
+        return logits, logits
+    raise ValueError(f"unknown routing {routing!r}")
+
+
+def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
+          renorm_eps, routed_scale, n_group, topk_group, weights_fp32):
+    """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
+    choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
+                                      n_group=n_group, topk_group=topk_group)
+    if routing == "sigmoid_grouped_topk":
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         w = scores.gather(1, ids)
-    elif routing == "topk_sigmoid":
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        w = (_upcast(top) if softmax_fp32 else top).sigmoid()
     else:
-        raise ValueError(f"unknown routing {routing!r}")
+        top, ids = torch.topk(choice, top_k, dim=-1)
+        if routing == "topk_softmax":
+            w = F.softmax(top, dim=-1, dtype=top.dtype)
+        elif routing == "topk_sigmoid":
+            w = (_upcast(top) if softmax_fp32 else top).sigmoid()
+        else:
+            w = top
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale)
     w = w.to(routing_weights_dtype(x_dtype, weights_fp32))
     return w, ids
