@@ -50,7 +50,7 @@ def _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M: tl.c
 def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, N, KD, col_mul, up_off,
               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, a_scale_ptrs=None, A_SCALE: tl.constexpr = False,
-              b_desc=None, e=None, B_KN: tl.constexpr = False):
+              b_desc=None, e=None, B_KN: tl.constexpr = False, B_BLOCKED: tl.constexpr = False):
     """acc = A[a_rows, :] @ B[:, cols] over KD, B[k, c] at b_ptr + k*stride_bk + c*stride_bn.
 
     Gated: one [BLOCK_K, 2*BLOCK_N] B tile whose column 2i is gate column (n0+i)*col_mul and column
@@ -60,13 +60,22 @@ def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, 
     A_SCALE (weight on input): each A row is multiplied by its scale (`a_scale_ptrs`, one per row)
     in fp32 and rounded to A's dtype before the dot, as `(x * w).to(x.dtype)` is in PyTorch.
 
+    B_BLOCKED (gated, gate and up as column blocks of a [k, n]-contiguous weight, e.g. Llama4's
+    [E, H, 2I]): the tile holds gate n0.. then up n0.. as two contiguous runs (alternating columns
+    would be I apart: one load per element), and the result is permuted to the order above.
+
     b_desc (a TMA descriptor of all experts' weights, `_weight_descriptor`): B tiles come from the
     Hopper tensor-memory accelerator instead of per-thread loads; see `_mainloop_tma`."""
     if b_desc is not None:
         acc = _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED, B_KN, PRECISION, BLOCK_M,
                             BLOCK_N, BLOCK_K)
     else:
-        if GATED:
+        if GATED and B_BLOCKED:
+            jj = tl.arange(0, 2 * BLOCK_N)
+            ncol = n0 + jj % BLOCK_N
+            cols = ncol + (jj // BLOCK_N) * up_off
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+        elif GATED:
             jj = tl.arange(0, 2 * BLOCK_N)
             ncol = n0 + jj // 2
             if INTERLEAVED:
@@ -96,6 +105,8 @@ def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, 
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
+        if GATED and B_BLOCKED:  # [gate block | up block] -> gate n, up n, gate n+1, ...
+            acc = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)), (BLOCK_M, 2 * BLOCK_N))
     return acc
 
 
@@ -143,7 +154,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
     A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
-    STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False,
+    STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
 ):
     """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
     A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
@@ -168,11 +179,11 @@ def _grouped_gemm_kernel(
     if A_SCALE:
         acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk,
                         stride_bn, n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
-                        BLOCK_K, scale_ptr + pair, True)
+                        BLOCK_K, scale_ptr + pair, True, B_BLOCKED=B_BLOCKED)
     else:
         acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
                         n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                        b_desc=b_desc, e=e, B_KN=B_KN)
+                        b_desc=b_desc, e=e, B_KN=B_KN, B_BLOCKED=B_BLOCKED)
 
     # Epilogue, rounding where HF's module holds a tensor in the input dtype: the projection's
     # output, the bias add, then each op of the activation.
@@ -221,7 +232,7 @@ def _gate_up_bwd_kernel(
     col_mul, up_off, alpha, limit,
     TOPK: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, WOI: tl.constexpr = False,
+    BLOCK_E: tl.constexpr, WOI: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
 ):
     """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
     g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
@@ -242,11 +253,11 @@ def _gate_up_bwd_kernel(
     if WOI:
         acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
                         stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
-                        BLOCK_K, w_ptr + pair, True)
+                        BLOCK_K, w_ptr + pair, True, B_BLOCKED=B_BLOCKED)
     else:
         acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
                         stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
-                        BLOCK_K)
+                        BLOCK_K, B_BLOCKED=B_BLOCKED)
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < I
     col_g = n * col_mul

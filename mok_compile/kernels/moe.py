@@ -123,6 +123,8 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
                      DW_DOT=True)
     if h_out is not None:
         extra.update(h_ptr=h_out, stride_hm=h_out.stride(0), STORE_H=True)
+    if _blocked_b(gated, col_mul, strides_kn):
+        extra["B_BLOCKED"] = True
     # B through TMA: where the tuned config says so; for interleaved gate/up columns (GPT-OSS) unless
     # MOK_TMA=0 (measured faster there, and the tuning shapes have the other layout); never for gate and
     # up as column blocks (see `_mainloop_tma`).
@@ -142,6 +144,11 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         HAS_BIAS=bias is not None, PRECISION=precision,
         BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg, **extra,
     )
+
+
+def _blocked_b(gated, col_mul, strides_kn) -> bool:
+    """Gate and up as column blocks of a weight contiguous along its columns (`_mainloop`'s B_BLOCKED)."""
+    return gated and col_mul == 1 and strides_kn[1] == 1
 
 
 def _weight_descriptor(w, strides_kn, width, block_k):
@@ -395,5 +402,6 @@ def _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, do
         TOPK=disp.top_k, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=act_code,
         HAS_BIAS=gate_up_bias is not None,
         PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
+        **({"B_BLOCKED": True} if _blocked_b(gated, col_mul, w1_kn_strides) else {}),
     )
     return dh, act_w, dw_parts

@@ -35,6 +35,8 @@ VARIANTS = {
     # d(weights) term when the weight is on the input), F.linear layout.
     "topk_sigmoid_renorm_bias": (dict(routing="topk_sigmoid", renormalize=True, routed_scale=1.5, weight_on_input=True),
                                  ExpertSpec(activation="gelu_tanh"), True, True, False),
+    # Gated experts in the transposed layout ([E, H, 2I]) with gate and up as column blocks, biases.
+    "glu_transposed": (dict(renormalize=True), ExpertSpec(transposed=True), False, True, False),
     # topk_sigmoid with the usual weighted combine (weight_on_input off), sigmoid in the logits' dtype.
     "topk_sigmoid_out": (dict(routing="topk_sigmoid", softmax_fp32=False, renormalize=True), ExpertSpec(), False,
                          False, False),
