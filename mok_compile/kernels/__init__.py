@@ -63,6 +63,17 @@ def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, *
     return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
 
 
+def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, *rest, **kw):
+    """The backward over a saved h that is dead afterwards: the kernels write dh over it."""
+    *rest, gate_up_out = rest
+    kw = with_defaults(kw)
+    if not _use_triton(hidden_states):
+        return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
+    return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw,
+                                         gate_up_out=gate_up_out, overwrite_gate_up_out=True)
+
+
 library.lib.impl("fused_moe", fused_moe_cuda, "CUDA")
 library.lib.impl("fused_moe_backward", fused_moe_backward_cuda, "CUDA")
 library.lib.impl("fused_moe_train", fused_moe_train_cuda, "CUDA")
+library.lib.impl("fused_moe_backward_consume", fused_moe_backward_consume_cuda, "CUDA")

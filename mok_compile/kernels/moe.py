@@ -28,7 +28,8 @@ PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`; bf16 on Hopper) where it is f
 gathered stage gathers the rows first and runs the activation (backward: its derivative) as a
 separate Triton pass over the stored h; a CUTLASS down stage leaves the down bias to the combine.
 With `save_gate_up` (`mok::fused_moe_train`, autograd on CUDA) the forward also returns h (from the
-CUTLASS GEMM, or stored by the Triton gate_up epilogue: STORE_H) and the backward reads it (`gate_up_out`).
+CUTLASS GEMM, or stored by the Triton gate_up epilogue: STORE_H) and the backward reads it (`gate_up_out`);
+`mok::fused_moe_backward_consume` (autograd's last backward) lets the activation pass write dh over it.
 
 Weight on input (Llama4, `weight_on_input=True`): the same launches behind constexpr flags (Triton only).
     forward  gate_up loads A rows as (x[t] * w[t,k]).to(x.dtype) (A_SCALE); combine unweighted
@@ -251,6 +252,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     `fused_moe_forward(save_gate_up=True)`; the backward then skips recomputing it."""
     kw = with_defaults(kw)
     gate_up_out = kw.pop("gate_up_out", None)
+    overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
@@ -298,7 +300,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         dh, act_w, dw_parts = activation_pass.activation_bwd_rows(
             h, g2, w_flat, disp, topk_ids, gate_up_bias, I, gated=gated, interleaved=kw["interleaved"],
             act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"],
-            h_is_saved=gate_up_out is not None)
+            h_is_saved=gate_up_out is not None and not overwrite_h)
         del h, g2
     else:
         dh, act_w, dw_parts = _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, down_proj,

@@ -13,7 +13,8 @@ Device kernels attach per dispatch key: the reference (`reference.py`) is the
 CompositeExplicitAutograd kernel every device falls back to, `cpu.py` overrides
 CPU with the C++ kernel and `mok_compile.kernels` overrides CUDA with Triton.
 The backward is its own op, `mok::fused_moe_backward`, with the same structure; with the CUDA and
-C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads.
+C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads, and the backward autograd runs last (graph not retained)
+is `mok::fused_moe_backward_consume`, which may write dh over that h.
 New features (shared experts, dense weight-on-input routing, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
 and serialized programs valid.
@@ -59,10 +60,20 @@ FUSED_MOE_TRAIN_SCHEMA = (
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out)"
 )
 
+# The backward that may overwrite the saved h with dh (same shape), so that it needs no second [T*K, 2I]
+# buffer: autograd's eager backward calls it when the graph is freed after this backward (h is dead).
+FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
+    f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
+    f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}) "
+    "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
+    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
+)
+
 lib = torch.library.Library("mok", "DEF")
 lib.define(FUSED_MOE_SCHEMA)
 lib.define(FUSED_MOE_BACKWARD_SCHEMA)
 lib.define(FUSED_MOE_TRAIN_SCHEMA)
+lib.define(FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -217,6 +228,20 @@ def _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router,
     )
 
 
+@torch.library.register_fake("mok::fused_moe_backward_consume")
+def _fused_moe_backward_consume_fake(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
+                                     gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
+                                     gate_up_out, **kw):
+    return _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
+                                    gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids)
+
+
+def _backward_keeping_gate_up_out(*args, **kw):
+    """`fused_moe_backward_consume` where no kernel overwrites h (reference, C++): the plain backward."""
+    *args, gate_up_out = args
+    return torch.ops.mok.fused_moe_backward(*args, **kw, gate_up_out=gate_up_out)
+
+
 def _reference_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                        down_bias, **kw):
     check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
@@ -227,6 +252,7 @@ def _reference_forward(hidden_states, router, router_bias, selection_bias, gate_
 
 lib.impl("fused_moe", _reference_forward, "CompositeExplicitAutograd")
 lib.impl("fused_moe_backward", reference.fused_moe_backward_reference, "CompositeExplicitAutograd")
+lib.impl("fused_moe_backward_consume", _backward_keeping_gate_up_out, "CompositeExplicitAutograd")
 
 # ----------------------------------------------------------------------------- autograd
 # Registered directly on the Autograd key (what `torch.library.register_autograd` does internally)
@@ -288,13 +314,25 @@ class _FusedMoeFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_topk_weights, _grad_ids):
         saved = ctx.saved_tensors
         tensors, topk_weights, topk_ids = saved[:8], saved[8], saved[9]
-        extra = {"gate_up_out": saved[10]} if len(saved) > 10 else {}
         if grad_out is None:
             grad_out = torch.zeros_like(tensors[0])
-        d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = torch.ops.mok.fused_moe_backward(
-            grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids, **ctx.kwargs, **extra)
+        args = (grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids)
+        if len(saved) == 10:
+            grads = torch.ops.mok.fused_moe_backward(*args, **ctx.kwargs)
+        elif _gate_up_out_is_dead(saved[10]):
+            grads = torch.ops.mok.fused_moe_backward_consume(*args, saved[10], **ctx.kwargs)
+        else:
+            grads = torch.ops.mok.fused_moe_backward(*args, **ctx.kwargs, gate_up_out=saved[10])
+        d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = grads
         # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
         return None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias
+
+
+def _gate_up_out_is_dead(h) -> bool:
+    """Whether the saved h may be overwritten by this backward: eager (a plain tensor, not traced by
+    aot_autograd, whose graphs stay functional) and the graph freed after this backward (no retain_graph).
+    Overwriting it with dh keeps the backward's peak memory at HF's: one [T*K, 2I] buffer, not two."""
+    return type(h) is torch.Tensor and not torch._C._autograd._get_current_graph_task_keep_graph()
 
 
 def _fused_moe_autograd(keyset, *args, **kwargs):

@@ -232,6 +232,21 @@ def test_saved_gate_up_survives_a_retained_graph(variant):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("variant", ["mixtral", "gpt_oss"])
+def test_backward_consume_writes_dh_over_h(variant):
+    """`mok::fused_moe_backward_consume` (autograd's last backward) gives the gradients of the plain
+    backward bit for bit and writes dh over the saved h, which is how it spares a [T*K, 2I] buffer."""
+    tensors, kw = make_case(variant, T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    out, w, ids, h = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    go = torch.randn_like(out)
+    plain = torch.ops.mok.fused_moe_backward(go, torch.ones_like(w), *tensors, w, ids, **kw, gate_up_out=h)
+    h_before = h.clone()
+    consumed = torch.ops.mok.fused_moe_backward_consume(go, torch.ones_like(w), *tensors, w, ids, h, **kw)
+    for a, b in zip(plain, consumed):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert not torch.equal(h, h_before)
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "gpt_oss"])
 def test_compiled_autograd_matches_eager(variant):
     """aot_autograd traces the op's autograd (incl. fused_moe_train's fake kernel) into fwd/bwd graphs;

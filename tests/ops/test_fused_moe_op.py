@@ -220,3 +220,80 @@ def test_python_wrapper_matches_op():
     want = fused_moe(x, router, rb, None, gu, gub, down, db, **op_kwargs(routing, experts))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- which backward autograd runs
+
+
+class _MokOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the mok ops dispatched below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "mok":
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _train_case():
+    """fp32 on the CPU: the C++ kernel's autograd saves h (`mok::fused_moe_train`)."""
+    case = CASES_BY_NAME["softmax_topk_router_fp32"]
+    args, kw = make_args(case, T=24, dtype=torch.float32, requires_grad=True)
+    from mok_compile.ops.library import _saves_gate_up
+
+    assert _saves_gate_up(args, kw)
+    return args, kw
+
+
+def test_backward_may_overwrite_saved_h_only_when_the_graph_is_freed():
+    """A retained graph's backward must leave the saved h intact (`fused_moe_backward`); the last one may
+    overwrite it with dh (`fused_moe_backward_consume`). Same gradients either way."""
+    args, kw = _train_case()
+    out, w, _ = fused_moe(*args, **kw)
+    loss = out.square().sum() + w.sum()
+    wrt = [t for t in args if t is not None and t.requires_grad]
+    with _MokOps() as first_log:
+        first = torch.autograd.grad(loss, wrt, retain_graph=True)
+    with _MokOps() as last_log:
+        last = torch.autograd.grad(loss, wrt)
+    assert first_log.names == ["fused_moe_backward.default"]
+    assert last_log.names == ["fused_moe_backward_consume.default"]
+    for a, b in zip(first, last):
+        assert torch.equal(a, b)
+
+
+def test_traced_backward_keeps_the_functional_op():
+    """aot_autograd's backward graph holds the functional `fused_moe_backward` (graphs stay functional,
+    and a compiled graph may be run with retain_graph)."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    args, kw = _train_case()
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def loss_fn(*ts):
+        out, w, _ = fused_moe(*ts, **kw)
+        return out.square().sum() + w.sum()
+
+    aot_function(loss_fn, fw_compiler=keep, bw_compiler=keep)(*args).backward()
+    targets = [[str(n.target) for n in g.graph.nodes if "mok" in str(n.target)] for g in graphs]
+    assert targets == [["mok.fused_moe_train.default"], ["mok.fused_moe_backward.default"]]
+
+
+def test_opcheck_backward_consume():
+    """Schema (the declared mutation of gate_up_out), fake kernel and autograd registration. Not the aot
+    dispatch test: only eager autograd calls this op, and auto-functionalization does not take its
+    optional (bias gradient) returns."""
+    args, kw = _train_case()
+    with torch.no_grad():
+        out, w, ids, h = torch.ops.mok.fused_moe_train(*args, **kw)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    torch.library.opcheck(torch.ops.mok.fused_moe_backward_consume.default,
+                          (grad_out, torch.ones_like(w), *[a.detach() if a is not None else None for a in args],
+                           w, ids, h), kw, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
