@@ -1,6 +1,6 @@
 """Host (CPU) time of mok's GPU path per call: what bounds the op at few tokens.
 
-    python -m benchmarks.host_overhead [--tokens 16]
+    python -m benchmarks.host_overhead [--tokens 16] [--variant qwen3] [--profile]
 
 At a few tokens the GPU work is microseconds, so a loop of calls without synchronisation runs at
 the speed of the host: the time per call is the Python + launch cost. Measured for the forward op,
@@ -17,6 +17,14 @@ import torch
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from tests.kernels.cases import make_case
+
+
+# Layer sizes (H, I, E, K) of the variants in `tests.kernels.cases`.
+SHAPES = {
+    "qwen3": dict(H=2048, I=768, E=128, K=8),
+    "gpt_oss": dict(H=2880, I=2880, E=32, K=4),
+    "mixtral": dict(H=4096, I=14336, E=8, K=2),
+}
 
 
 def per_call_us(fn, reps=300) -> float:
@@ -52,10 +60,12 @@ def launches(fn) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--variant", default="qwen3", choices=sorted(SHAPES))  # mixtral: weights made on the host, slow
+    ap.add_argument("--profile", action="store_true", help="cProfile of the autograd fwd+bwd (host time by function)")
     args = ap.parse_args()
     from mok_compile.kernels import dispatch
 
-    tensors, kw = make_case("qwen3", T=args.tokens, H=2048, I=768, E=128, K=8, dtype=torch.bfloat16, device="cuda")
+    tensors, kw = make_case(args.variant, T=args.tokens, **SHAPES[args.variant], dtype=torch.bfloat16, device="cuda")
     out, w, ids = torch.ops.mok.fused_moe(*tensors, **kw)
     go = torch.randn_like(out)
     leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in tensors]
@@ -80,6 +90,17 @@ def main():
     print("| call | host us per call |\n|---|---|")
     for name, fn in rows.items():
         print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            rows["autograd fwd+bwd (loss = out.sum())"]()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

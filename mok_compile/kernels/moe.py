@@ -29,7 +29,8 @@ gathered stage gathers the rows first and runs the activation (backward: its der
 separate Triton pass over the stored h; a CUTLASS down stage leaves the down bias to the combine.
 With `save_gate_up` (`mok::fused_moe_train`, autograd on CUDA) the forward also returns h (from the
 CUTLASS GEMM, or stored by the Triton gate_up epilogue: STORE_H) and the backward reads it (`gate_up_out`);
-`mok::fused_moe_backward_consume` (autograd's last backward) lets the activation pass write dh over it.
+`mok::fused_moe_backward_consume` (autograd's last backward) lets the activation pass write dh over it
+and releases that memory after the last GEMM that reads dh.
 
 Weight on input (Llama4, `weight_on_input=True`): the same launches behind constexpr flags (Triton only).
     forward  gate_up loads A rows as (x[t] * w[t,k]).to(x.dtype) (A_SCALE); combine unweighted
@@ -347,6 +348,10 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
               col_mul=1, up_off=0, kw=kw, cfg=dcfg, precision=precision, dw_dot=x if woi else None,
               dw_parts=dw_parts if woi else None)
     del dh
+    if overwrite_h and gate_up_out._base is None:
+        # dh lived in h's memory and h is dead: release it now rather than when autograd drops its saved
+        # tensors after this op returns (the router and combine below would otherwise stack on top of it).
+        gate_up_out.untyped_storage().resize_(0)
 
     # Router.
     dw_extra = None

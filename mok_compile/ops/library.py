@@ -14,7 +14,7 @@ CompositeExplicitAutograd kernel every device falls back to, `cpu.py` overrides
 CPU with the C++ kernel and `mok_compile.kernels` overrides CUDA with Triton.
 The backward is its own op, `mok::fused_moe_backward`, with the same structure; with the CUDA and
 C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads, and the backward autograd runs last (graph not retained)
-is `mok::fused_moe_backward_consume`, which may write dh over that h.
+is `mok::fused_moe_backward_consume`, which may write dh over that h and then free it.
 New features (shared experts, dense weight-on-input routing, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
 and serialized programs valid.
@@ -60,8 +60,10 @@ FUSED_MOE_TRAIN_SCHEMA = (
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out)"
 )
 
-# The backward that may overwrite the saved h with dh (same shape), so that it needs no second [T*K, 2I]
-# buffer: autograd's eager backward calls it when the graph is freed after this backward (h is dead).
+# The backward that consumes the saved h: it may write dh over it (same shape), so that it needs no second
+# [T*K, 2I] buffer, and release its memory once dh is read (the CUDA kernels resize its storage to 0;
+# gate_up_out must not be used afterwards). Autograd's eager backward calls it when the graph is freed
+# after this backward (h is dead).
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}) "
