@@ -146,22 +146,32 @@ def test_bitwise_deterministic(variant):
         assert torch.equal(a, b)
 
 
+def _captured(step):
+    """(graph, outputs of `step` in it): `step` warmed up on a side stream (kernel compiles happen outside
+    the capture), then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "llama4"])
 def test_cuda_graph_capture_and_replay(variant):
     tensors, kw = make_case(variant, T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV)
     static = [t.clone() if t is not None else None for t in tensors]
     go = torch.randn_like(static[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside the capture
-        for _ in range(2):
-            out, w, ids = _op(static, kw)
-            torch.ops.mok.fused_moe_backward(go, None, *static, w, ids, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         out, w, ids = _op(static, kw)
-        grads = torch.ops.mok.fused_moe_backward(go, None, *static, w, ids, **kw)
+        return out, ids, torch.ops.mok.fused_moe_backward(go, None, *static, w, ids, **kw)
+
+    graph, (out, ids, grads) = _captured(step)
     fresh, _ = make_case(variant, T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV, seed=7)
     static[0].copy_(fresh[0])
     graph.replay()
@@ -258,15 +268,7 @@ def test_cuda_graph_captures_the_autograd_step():
         out, w, _ = torch.ops.mok.fused_moe(*leaves, **kw)
         return torch.autograd.grad(out.float().square().mean() + w.float().sum(), wrt)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _captured(step)
     fresh, _ = make_case("qwen3", T=1024, H=256, I=128, E=32, K=8, dtype=torch.bfloat16, device=DEV, seed=7)
     with torch.no_grad():
         leaves[0].copy_(fresh[0])
