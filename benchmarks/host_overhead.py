@@ -16,15 +16,14 @@ import time
 import torch
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
+from benchmarks.moe_layer import SHAPES
 from tests.kernels.cases import make_case
 
 
-# Layer sizes (H, I, E, K) of the variants in `tests.kernels.cases`.
-SHAPES = {
-    "qwen3": dict(H=2048, I=768, E=128, K=8),
-    "gpt_oss": dict(H=2880, I=2880, E=32, K=4),
-    "mixtral": dict(H=4096, I=14336, E=8, K=2),
-}
+def layer_sizes(name) -> dict:
+    """H, I, E, K of `benchmarks.moe_layer`'s shape `name`, as `make_case` takes them."""
+    sizes = SHAPES[name][1]
+    return dict(H=sizes.hidden, I=sizes.intermediate, E=sizes.experts, K=sizes.top_k)
 
 
 def per_call_us(fn, reps=300) -> float:
@@ -60,12 +59,13 @@ def launches(fn) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--variant", default="qwen3", choices=sorted(SHAPES))  # mixtral: weights made on the host, slow
+    # big layers (mixtral, llama4) make their weights on the host: slow
+    ap.add_argument("--variant", default="qwen3", choices=sorted(SHAPES))
     ap.add_argument("--profile", action="store_true", help="cProfile of the autograd fwd+bwd (host time by function)")
     args = ap.parse_args()
     from mok_compile.kernels import dispatch
 
-    tensors, kw = make_case(args.variant, T=args.tokens, **SHAPES[args.variant], dtype=torch.bfloat16, device="cuda")
+    tensors, kw = make_case(args.variant, T=args.tokens, **layer_sizes(args.variant), dtype=torch.bfloat16, device="cuda")
     out, w, ids = torch.ops.mok.fused_moe(*tensors, **kw)
     go = torch.randn_like(out)
     leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in tensors]

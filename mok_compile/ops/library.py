@@ -13,8 +13,9 @@ Device kernels attach per dispatch key: the reference (`reference.py`) is the
 CompositeExplicitAutograd kernel every device falls back to, `cpu.py` overrides
 CPU with the C++ kernel and `mok_compile.kernels` overrides CUDA with Triton.
 The backward is its own op, `mok::fused_moe_backward`, with the same structure; with the CUDA and
-C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward reads, and the backward autograd runs last (graph not retained)
-is `mok::fused_moe_backward_consume`, which may write dh over that h and then free it.
+C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward
+reads, and the backward autograd runs last (graph not retained) is `mok::fused_moe_backward_consume`,
+which may write dh over that h and then free it.
 New features (shared experts, dense weight-on-input routing, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
 and serialized programs valid.
