@@ -1,6 +1,6 @@
 """Host (CPU) time of mok's GPU path per call: what bounds the op at few tokens.
 
-    python -m benchmarks.host_overhead [--tokens 16] [--variant qwen3] [--profile]
+    python -m benchmarks.host_overhead [--tokens 16] [--variant qwen3] [--profile] [--launch-times]
 
 At a few tokens the GPU work is microseconds, so a loop of calls without synchronisation runs at
 the speed of the host: the time per call is the Python + launch cost. Measured for the forward op,
@@ -56,12 +56,40 @@ def launches(fn) -> int:
     return count[0]
 
 
+def launch_times(fn, reps=200) -> dict:
+    """Host us per call of fn spent inside each Triton kernel's launch (`JITFunction.run`: argument
+    binding, cache lookup, the driver call), by kernel name."""
+    from triton.runtime.jit import JITFunction
+
+    spent, run = {}, JITFunction.run
+
+    def timed(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return run(self, *a, **k)
+        finally:
+            name = self.fn.__name__
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    fn()
+    JITFunction.run = timed
+    try:
+        for _ in range(reps):
+            fn()
+    finally:
+        JITFunction.run = run
+    torch.cuda.synchronize()
+    return {name: t / reps * 1e6 for name, t in spent.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16)
     # big layers (mixtral, llama4) make their weights on the host: slow
     ap.add_argument("--variant", default="qwen3", choices=sorted(SHAPES))
     ap.add_argument("--profile", action="store_true", help="cProfile of the autograd fwd+bwd (host time by function)")
+    ap.add_argument("--launch-times", action="store_true",
+                    help="host time inside each Triton launch of the forward and backward ops")
     args = ap.parse_args()
     from mok_compile.kernels import dispatch
 
@@ -90,6 +118,11 @@ def main():
     print("| call | host us per call |\n|---|---|")
     for name, fn in rows.items():
         print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+    if args.launch_times:
+        for name in ("mok.fused_moe forward (no grad)", "mok.fused_moe_backward"):
+            per_kernel = launch_times(rows[name])
+            print(f"{name}: Triton launches {sum(per_kernel.values()):.1f} us per call of {per_call_us(rows[name]):.1f}: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])))
     if args.profile:
         import cProfile
         import pstats

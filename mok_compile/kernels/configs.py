@@ -102,6 +102,17 @@ def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torc
     return cfg
 
 
+def half_tail(block_m: int) -> bool:
+    """Whether a grouped GEMM runs row blocks of at most BLOCK_M // 2 rows at that height (`HALF_TAIL`):
+    from BLOCK_M = 128 on (a 64-row half still fills Hopper's 64-row wgmma; smaller halves fall back to
+    mma.sync, not measured to pay); MOK_HALF_TAIL=0 turns it off, =1 on wherever the half tile has
+    >= 16 rows (tests: the interpreter's 32-row blocks)."""
+    forced = os.environ.get("MOK_HALF_TAIL")
+    if forced == "0":
+        return False
+    return block_m // 2 >= 16 if forced == "1" else block_m >= 128
+
+
 def _config(kernel, dtype, rows_per_expert, device):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(_INTERPRET[kernel])

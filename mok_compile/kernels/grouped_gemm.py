@@ -20,6 +20,11 @@ Three kernels, each with an upper-bound grid whose surplus programs exit at once
 
 Weights may be in F.linear layout or transposed: kernels take (k, n) strides. On Hopper a grouped
 GEMM may read its B tiles through TMA instead (`b_desc`, `_mainloop_tma`; chosen per config).
+
+Row blocks are BLOCK_M rows of one expert, so an expert's last block is usually partly empty. With
+HALF_TAIL, the first two kernels run a block of at most BLOCK_M // 2 rows at that height: the row
+block -> (expert, rows) mapping and the grid stay the same; only that program's tile (`_gemm_tile`,
+`_gate_up_bwd_tile`, the height a constexpr: both heights in one kernel) is half as tall.
 """
 
 from __future__ import annotations
@@ -134,14 +139,12 @@ def _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED: tl.
 
 
 @triton.jit
-def _block_rows(sorted_pair_ptr, expert_count_ptr, expert_start_ptr, pid_m, E, TOPK: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, sorted rows, row mask, pair ids) of row block pid_m."""
-    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
-    rows = row0 + tl.arange(0, BLOCK_M)
+def _tile_rows(sorted_pair_ptr, row0, row_end, BM: tl.constexpr):
+    """(sorted rows, row mask, pair ids) of a tile of BM rows from row0 (rows from row_end on masked)."""
+    rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
-    pair = tl.load(sorted_pair_ptr + rows, mask=rmask & (e < E), other=0)
-    return e, rows, rmask, pair
+    pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
+    return rows, rmask, pair
 
 
 @triton.jit
@@ -155,6 +158,7 @@ def _grouped_gemm_kernel(
     scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
     A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
     STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False,
 ):
     """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
     A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
@@ -162,15 +166,37 @@ def _grouped_gemm_kernel(
     times dot[pair // TOPK] (backward dgrad: d w = <dxs, x> per N-tile, summed later in fixed order).
     STORE_H (training forward gate_up): also store the product before bias and activation, rounded, in
     W's column layout (h[row, c] for c < 2I gated), for the backward to read instead of recomputing.
-    b_desc: B through TMA (`_mainloop_tma`); b_ptr and its strides are then unused."""
+    b_desc: B through TMA (`_mainloop_tma`); b_ptr and its strides are then unused.
+    HALF_TAIL: a block of at most BLOCK_M // 2 rows (an expert's last) runs at that height (module doc)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, rows, rmask, pair = _block_rows(sorted_pair_ptr, expert_count_ptr, expert_start_ptr, pid_m, E, TOPK,
-                                       BLOCK_M, BLOCK_E)
+    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
+    if HALF_TAIL and row_end - row0 <= BLOCK_M // 2:
+        _gemm_tile(a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, e, row0, row_end, pid_n, N, KD, stride_am,
+                   stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm, col_mul, up_off, alpha, limit, scale_ptr,
+                   dot_ptr, dw_part_ptr, stride_dot, TK, h_ptr, stride_hm, b_desc, TOPK, A_GATHER, GATED, INTERLEAVED,
+                   ACT, HAS_BIAS, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K, A_SCALE, DW_DOT, STORE_H, B_KN, B_BLOCKED)
+    else:
+        _gemm_tile(a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, e, row0, row_end, pid_n, N, KD, stride_am,
+                   stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm, col_mul, up_off, alpha, limit, scale_ptr,
+                   dot_ptr, dw_part_ptr, stride_dot, TK, h_ptr, stride_hm, b_desc, TOPK, A_GATHER, GATED, INTERLEAVED,
+                   ACT, HAS_BIAS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, A_SCALE, DW_DOT, STORE_H, B_KN, B_BLOCKED)
+
+
+@triton.jit
+def _gemm_tile(a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, e, row0, row_end, pid_n, N, KD, stride_am, stride_be,
+               stride_bk, stride_bn, stride_bias_e, stride_cm, col_mul, up_off, alpha, limit, scale_ptr, dot_ptr,
+               dw_part_ptr, stride_dot, TK, h_ptr, stride_hm, b_desc, TOPK: tl.constexpr, A_GATHER: tl.constexpr,
+               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PRECISION: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               A_SCALE: tl.constexpr, DW_DOT: tl.constexpr, STORE_H: tl.constexpr, B_KN: tl.constexpr,
+               B_BLOCKED: tl.constexpr):
+    """`_grouped_gemm_kernel`'s work for expert e's rows row0.. (< row_end) and N-tile pid_n at height BM."""
+    rows, rmask, pair = _tile_rows(sorted_pair_ptr, row0, row_end, BM)
     if A_GATHER:
         a_rows = pair // TOPK
     else:
@@ -178,11 +204,11 @@ def _grouped_gemm_kernel(
     n0 = pid_n * BLOCK_N
     if A_SCALE:
         acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk,
-                        stride_bn, n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
+                        stride_bn, n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BM, BLOCK_N,
                         BLOCK_K, scale_ptr + pair, True, B_BLOCKED=B_BLOCKED)
     else:
         acc = _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr + e.to(tl.int64) * stride_be, stride_bk, stride_bn,
-                        n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                        n0, N, KD, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BM, BLOCK_N, BLOCK_K,
                         b_desc=b_desc, e=e, B_KN=B_KN, B_BLOCKED=B_BLOCKED)
 
     # Epilogue, rounding where HF's module holds a tensor in the input dtype: the projection's
@@ -200,14 +226,14 @@ def _grouped_gemm_kernel(
             hc = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
             tl.store(h_rows + hc[None, :], acc.to(DT), mask=rmask[:, None] & (hc < 2 * N)[None, :])
         elif GATED:
-            hg, hu = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            hg, hu = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
             tl.store(h_rows + (n * col_mul)[None, :], hg.to(DT), mask=rmask[:, None] & nmask[None, :])
             tl.store(h_rows + (n * col_mul + up_off)[None, :], hu.to(DT), mask=rmask[:, None] & nmask[None, :])
         else:
             tl.store(h_rows + n[None, :], acc.to(DT), mask=rmask[:, None] & nmask[None, :])
     bias_base = bias_ptr + e.to(tl.int64) * stride_bias_e
     if GATED:
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        g, u = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
         g = _r(g, DT)
         u = _r(u, DT)
         if HAS_BIAS:
@@ -233,6 +259,7 @@ def _gate_up_bwd_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, WOI: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False,
 ):
     """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
     g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
@@ -240,23 +267,44 @@ def _gate_up_bwd_kernel(
         dh = act'(h) * (w * g2)                    stored in h's column layout
         w * act(h)                                 stored for dW2
     WOI (weight on input): h = (x[t] * w).to(x.dtype) @ W1[e]; the output is not weighted, so
-    dh = act'(h) * g2, act(h) is stored unscaled and no dw_part is written (d w comes from dgrad)."""
+    dh = act'(h) * g2, act(h) is stored unscaled and no dw_part is written (d w comes from dgrad).
+    HALF_TAIL: as in `_grouped_gemm_kernel`."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e, rows, rmask, pair = _block_rows(sorted_pair_ptr, expert_count_ptr, expert_start_ptr, pid_m, E, TOPK,
-                                       BLOCK_M, BLOCK_E)
+    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
+    if HALF_TAIL and row_end - row0 <= BLOCK_M // 2:
+        _gate_up_bwd_tile(x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_ptr, act_ptr, dw_part_ptr, e, row0,
+                          row_end, pid_n, I, H, TK, stride_xm, stride_w1e, stride_w1k, stride_w1n, stride_b1e,
+                          stride_g2m, stride_dhm, stride_am, col_mul, up_off, alpha, limit, TOPK, GATED, INTERLEAVED,
+                          ACT, HAS_BIAS, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K, WOI, B_BLOCKED)
+    else:
+        _gate_up_bwd_tile(x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_ptr, act_ptr, dw_part_ptr, e, row0,
+                          row_end, pid_n, I, H, TK, stride_xm, stride_w1e, stride_w1k, stride_w1n, stride_b1e,
+                          stride_g2m, stride_dhm, stride_am, col_mul, up_off, alpha, limit, TOPK, GATED, INTERLEAVED,
+                          ACT, HAS_BIAS, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, WOI, B_BLOCKED)
+
+
+@triton.jit
+def _gate_up_bwd_tile(x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_ptr, act_ptr, dw_part_ptr, e, row0,
+                      row_end, pid_n, I, H, TK, stride_xm, stride_w1e, stride_w1k, stride_w1n, stride_b1e, stride_g2m,
+                      stride_dhm, stride_am, col_mul, up_off, alpha, limit, TOPK: tl.constexpr, GATED: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                      BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WOI: tl.constexpr,
+                      B_BLOCKED: tl.constexpr):
+    """`_gate_up_bwd_kernel`'s work for expert e's rows row0.. (< row_end) and I-tile pid_n at height BM."""
+    rows, rmask, pair = _tile_rows(sorted_pair_ptr, row0, row_end, BM)
     n0 = pid_n * BLOCK_N
     if WOI:
         acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
-                        stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
+                        stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BM, BLOCK_N,
                         BLOCK_K, w_ptr + pair, True, B_BLOCKED=B_BLOCKED)
     else:
         acc = _mainloop(x_ptr, pair // TOPK, rmask, stride_xm, w1_ptr + e.to(tl.int64) * stride_w1e, stride_w1k,
-                        stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BLOCK_M, BLOCK_N,
+                        stride_w1n, n0, I, H, col_mul, up_off, GATED, INTERLEAVED, PRECISION, BM, BLOCK_N,
                         BLOCK_K, B_BLOCKED=B_BLOCKED)
     n = n0 + tl.arange(0, BLOCK_N)
     nmask = n < I
@@ -264,7 +312,7 @@ def _gate_up_bwd_kernel(
     col_u = col_g + up_off
     b1 = b1_ptr + e.to(tl.int64) * stride_b1e
     if GATED:
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        g, u = tl.split(tl.reshape(acc, (BM, BLOCK_N, 2)))
         if HAS_BIAS:
             u = u + tl.load(b1 + col_u, mask=nmask, other=0.0).to(tl.float32)[None, :]
     else:

@@ -127,6 +127,8 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         extra.update(h_ptr=h_out, stride_hm=h_out.stride(0), STORE_H=True)
     if _blocked_b(gated, col_mul, strides_kn):
         extra["B_BLOCKED"] = True
+    if configs.half_tail(bm):
+        extra["HALF_TAIL"] = True
     # B through TMA: where the tuned config says so; for interleaved gate/up columns (GPT-OSS) unless
     # MOK_TMA=0 (measured faster there, and the tuning shapes have the other layout); never for gate and
     # up as column blocks (see `_mainloop_tma`).
@@ -410,5 +412,6 @@ def _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, do
         HAS_BIAS=gate_up_bias is not None,
         PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
         **({"B_BLOCKED": True} if _blocked_b(gated, col_mul, w1_kn_strides) else {}),
+        **({"HALF_TAIL": True} if configs.half_tail(cfg["BLOCK_M"]) else {}),
     )
     return dh, act_w, dw_parts

@@ -1,16 +1,18 @@
 """Pick block sizes for the grouped kernels by timing candidates; writes the `configs.json` format.
 
-    python -m mok_compile.kernels.tune --out DIR [--jobs 8]
+    python -m mok_compile.kernels.tune --out DIR [--jobs 8] [--kernels gate_up,down] [--buckets m256]
 
 Times each kernel (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad) alone, on the routing of real
 layer sizes, for a few candidate configs per row-count bucket, and keeps the fastest. Candidates are
 first compiled in parallel worker processes (Triton's on-disk cache), then timed one at a time in
 this process so that timings never overlap. Run on the target GPU; commit the JSON as data.
+With --kernels / --buckets only those entries are timed (and written): merge them by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -51,9 +53,9 @@ def candidates(kernel, bucket):
     if small:
         c = [_mm(16, 64, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4), _mm(32, 128, 64, 4, 4)]
         c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(64, 128, 64, 4, 4)]
-    elif gated:
+    elif gated:  # 64 x 256: half the row padding of 128-row blocks at the same B tile width as 128 x 128
         c = [_mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 8, 4), _mm(64, 128, 64, 8, 4), _mm(128, 64, 64, 4, 4),
-             _mm(128, 128, 64, 8, 4), _mm(64, 64, 64, 4, 4)]
+             _mm(128, 128, 64, 8, 4), _mm(64, 64, 64, 4, 4), _mm(64, 256, 64, 8, 3)]
     else:
         c = [_mm(128, 256, 64, 8, 3), _mm(128, 128, 64, 8, 4), _mm(64, 256, 64, 8, 3), _mm(128, 128, 64, 4, 4),
              _mm(128, 256, 64, 8, 4)]
@@ -130,23 +132,25 @@ class _Problem:
                 BLOCK_E=triton.next_power_of_2(E), **cfg)
 
 
-def _jobs():
+def _jobs(kernels=KERNELS, buckets=None):
     from .configs import bucket
 
     for shape in TUNE_SHAPES:
         H, I, E, K, T = shape
         b = bucket(T * K / E)
-        for kernel in KERNELS:
+        if buckets is not None and b not in buckets:
+            continue
+        for kernel in kernels:
             yield shape, b, kernel
 
 
-def _compile_worker(shape):
+def _compile_worker(shape, kernels=KERNELS):
     """Run every candidate once at `shape` (fills Triton's cache); failures are timed out later."""
     p = _Problem(*shape)
     from .configs import bucket
 
     b = bucket(shape[4] * shape[3] / shape[2])
-    for kernel in KERNELS:
+    for kernel in kernels:
         for cfg in candidates(kernel, b):
             try:
                 p.launch(kernel, cfg)
@@ -162,14 +166,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=5)
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
+    ap.add_argument("--buckets", default=None, help="comma-separated buckets (m16,m64,m256,m1024,mbig); default all")
     args = ap.parse_args()
+    kernels = tuple(args.kernels.split(","))
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        ap.error(f"unknown kernels {sorted(unknown)}; choose from {','.join(KERNELS)}")
+    buckets = None if args.buckets is None else set(args.buckets.split(","))
+    jobs = list(_jobs(kernels, buckets))
     os.makedirs(args.out, exist_ok=True)
     ctx = torch.multiprocessing.get_context("spawn")
+    shapes = sorted({shape for shape, _, _ in jobs}, key=TUNE_SHAPES.index)
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        list(pool.map(_compile_worker, TUNE_SHAPES))
+        list(pool.map(functools.partial(_compile_worker, kernels=kernels), shapes))
     results, best = [], {}
     problems = {}
-    for shape, b, kernel in _jobs():
+    for shape, b, kernel in jobs:
         p = problems.setdefault(shape, _Problem(*shape))
         timed = []
         for cfg in candidates(kernel, b):

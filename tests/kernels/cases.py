@@ -71,6 +71,22 @@ TMA_INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float16)
                        for v in ("qwen3", "gpt_oss", "relu", "relu2", "gelu_tanh_glu", "granite")]
 TMA_INTERPRET_CASES += [("deepseek_v3", 23, 32, 16, 16, 4, torch.float16)]
 
+# Half-height tails (HALF_TAIL): run with the GEMM configs at this BLOCK_M (half: 16 rows) on inputs whose
+# experts end in row blocks of both heights (~32 rows per expert): gated (STORE_H through the saved h),
+# interleaved + bias + transposed, gate/up column blocks (B_BLOCKED), weight on input, and B through TMA.
+HALF_TAIL_BLOCK_M = 32
+HALF_TAIL_INTERPRET_CASES = [
+    ("qwen3", 64, 40, 24, 4, 2, torch.float32),
+    ("gpt_oss", 64, 32, 24, 4, 2, torch.float16),
+    ("glu_transposed", 64, 40, 24, 4, 2, torch.float32),
+    ("llama4", 64, 40, 24, 4, 2, torch.float32),
+]
+HALF_TAIL_TMA_INTERPRET_CASES = [
+    ("gpt_oss", 64, 32, 24, 4, 2, torch.float16),
+    ("qwen3", 64, 40, 24, 4, 2, torch.float16),
+    ("llama4", 64, 40, 24, 4, 2, torch.float16),
+]
+
 
 def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0, logits=None):
     """(positional tensors, kwargs) of `mok.fused_moe` for `variant`, random (never zero) values.

@@ -6,6 +6,7 @@ and the kernel modules are first imported (pytest may have imported Triton alrea
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -14,10 +15,11 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from mok_compile.kernels import cutlass_gemm, moe  # noqa: E402
+from mok_compile.kernels import configs, cutlass_gemm, grouped_gemm, moe  # noqa: E402
 from mok_compile.ops import reference  # noqa: E402
 from mok_compile.ops.spec import with_defaults  # noqa: E402
-from tests.kernels.cases import (CUTLASS_INTERPRET_CASES, INTERPRET_CASES, TMA_INTERPRET_CASES, make_case,  # noqa: E402
+from tests.kernels.cases import (CUTLASS_INTERPRET_CASES, HALF_TAIL_BLOCK_M, HALF_TAIL_INTERPRET_CASES,  # noqa: E402
+                                 HALF_TAIL_TMA_INTERPRET_CASES, INTERPRET_CASES, TMA_INTERPRET_CASES, make_case,
                                  rel_err)
 
 def _tie_at_top_k(tensors, kw):
@@ -37,11 +39,14 @@ def _tie_at_top_k(tensors, kw):
     return bool((ranked[:, K - 1] == ranked[:, K]).any())
 
 
-def check(variant, T, H, I, E, K, dtype, prefix=""):
+def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
+    """`accept(tensors, kw)`: a condition on the inputs; `ab_env` (name, value): also rerun the kernels with
+    that environment variable and record their relative differences to the first run (`ab_err`), and the
+    programs that `TILES` counted in each run (`tiles`, `ab_tiles`)."""
     while True:  # fresh inputs each run (the seed is printed to reproduce a failure), without exact ties
         seed = int.from_bytes(os.urandom(2), "little")
         tensors, kw = make_case(variant, T, H, I, E, K, dtype, seed=seed)
-        if not _tie_at_top_k(tensors, kw):
+        if not _tie_at_top_k(tensors, kw) and (accept is None or accept(tensors, kw)):
             break
     out, w, ids = moe.fused_moe_forward(*tensors, **kw)
     r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
@@ -62,10 +67,27 @@ def check(variant, T, H, I, E, K, dtype, prefix=""):
         saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **kw)
         res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
         res["h_unchanged"] = bool(torch.equal(h, moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3]))
+    if ab_env is not None:
+        res["tiles"] = dict(TILES)
+        TILES.clear()
+        old = os.environ.get(ab_env[0])
+        os.environ[ab_env[0]] = ab_env[1]
+        try:
+            res["ab_err"] = {"out": rel_err(moe.fused_moe_forward(*tensors, **kw)[0], out)}
+            b_grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
+            res["ab_err"].update({n: rel_err(a, b) for n, a, b in zip(names, b_grads, grads) if b is not None})
+            if not kw.get("weight_on_input"):
+                res["ab_err"]["h"] = rel_err(moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3], h)
+        finally:
+            if old is None:
+                del os.environ[ab_env[0]]
+            else:
+                os.environ[ab_env[0]] = old
+        res["ab_tiles"] = dict(TILES)
     return res
 
 
-def check_tma(case):
+def check_tma(case, prefix="tma/", **check_kw):
     """`check` with the Triton GEMMs' B through TMA; counts the descriptors made, so that a silent
     fallback to per-thread loads fails the test."""
     made = []
@@ -79,11 +101,60 @@ def check_tma(case):
     moe._weight_descriptor = counting
     os.environ["MOK_TMA"] = "1"
     try:
-        res = check(*case, prefix="tma/")
+        res = check(*case, prefix=prefix, **check_kw)
     finally:
         moe._weight_descriptor = make
         del os.environ["MOK_TMA"]
     res["tma_descriptors"] = sum(made)
+    return res
+
+
+# Programs of the grouped GEMMs by tile height (HALF_TAIL checks): `_gemm_tile` and `_gate_up_bwd_tile` are
+# looked up in the module's globals when the interpreter runs a kernel, so wrappers there see every call.
+TILES = collections.Counter()
+
+
+def _counting(tile):
+    height = tile.arg_names.index("BM")
+
+    def counted(*args, **kw):
+        TILES[str(getattr(args[height], "value", args[height]))] += 1
+        return tile(*args, **kw)
+
+    return counted
+
+
+def _tails(tensors, kw):
+    """(rows per expert, rows in the last row block of each expert with rows) at BLOCK_M = HALF_TAIL_BLOCK_M."""
+    counts = torch.bincount(reference.fused_moe_reference(*tensors, **kw)[2].flatten(), minlength=tensors[4].shape[0])
+    return counts.tolist(), [(c - 1) % HALF_TAIL_BLOCK_M + 1 for c in counts.tolist() if c > 0]
+
+
+def _mixed_tails(tensors, kw):
+    """Some expert ends in a block of at most half height, another in a taller one; one expert has several."""
+    counts, tails = _tails(tensors, kw)
+    return min(tails) <= HALF_TAIL_BLOCK_M // 2 < max(tails) and max(counts) > HALF_TAIL_BLOCK_M
+
+
+def check_half_tail(case, tma=False, ab=False):
+    """`check` (`check_tma`) with the GEMM configs at BLOCK_M = HALF_TAIL_BLOCK_M and MOK_HALF_TAIL=1, on inputs
+    whose experts end in row blocks of both heights; records the programs run at each height (`tiles`) and
+    with `ab` also reruns with MOK_HALF_TAIL=0 (`ab_err`, `ab_tiles`)."""
+    saved_cfg, saved_tiles = configs._INTERPRET, (grouped_gemm._gemm_tile, grouped_gemm._gate_up_bwd_tile)
+    configs._INTERPRET = {k: {**c, "BLOCK_M": HALF_TAIL_BLOCK_M} if "BLOCK_M" in c else c for k, c in saved_cfg.items()}
+    grouped_gemm._gemm_tile, grouped_gemm._gate_up_bwd_tile = map(_counting, saved_tiles)
+    os.environ["MOK_HALF_TAIL"] = "1"
+    TILES.clear()
+    try:
+        kw = dict(accept=_mixed_tails, ab_env=("MOK_HALF_TAIL", "0") if ab else None)
+        res = check_tma(case, prefix="half/tma/", **kw) if tma else check(*case, prefix="half/", **kw)
+    finally:
+        configs._INTERPRET = saved_cfg
+        grouped_gemm._gemm_tile, grouped_gemm._gate_up_bwd_tile = saved_tiles
+        del os.environ["MOK_HALF_TAIL"]
+    res.setdefault("tiles", dict(TILES))
+    tensors, kw = make_case(*case, seed=res["seed"])
+    res["expert_rows"], res["tails"] = _tails(tensors, kw)
     return res
 
 
@@ -92,6 +163,10 @@ if __name__ == "__main__":
         print(json.dumps(check(*case)), flush=True)
     for case in TMA_INTERPRET_CASES:
         print(json.dumps(check_tma(case)), flush=True)
+    for i, case in enumerate(HALF_TAIL_INTERPRET_CASES):
+        print(json.dumps(check_half_tail(case, ab=i == 0)), flush=True)
+    for case in HALF_TAIL_TMA_INTERPRET_CASES:
+        print(json.dumps(check_half_tail(case, tma=True)), flush=True)
     # The CUTLASS engine's glue (gathers, activation passes, bias sums, layouts) with PyTorch's CPU
     # grouped_mm standing in for CUTLASS: eligibility is patched to ignore the device and dtype.
     cutlass_gemm.eligible = lambda x, w1, w2, I, **_: x.shape[1] % 8 == 0 and I % 8 == 0

@@ -1,7 +1,7 @@
 """The gate_up GEMM's weight (B) tile loads vectorise for every weight layout, checked on the PTX that
 Triton builds for Hopper (sm_90) on the CPU: no GPU needed, so CI guards the load pattern that the
 GPU only shows as speed (v5: interleaved columns loaded element by element; Llama4's transposed
-gate/up blocks the same)."""
+gate/up blocks the same). Also: the half-height tail (HALF_TAIL) costs no shared memory."""
 
 import re
 
@@ -10,30 +10,65 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _gate_up_ptx(interleaved, b_kn, blocked):
+def _sm90(fn, consts, types, aligned, **options):
+    """`fn` compiled for Hopper (sm_90) on the CPU: `types` the arguments that are not i32, `aligned` those
+    that a real launch specialises as 16-divisible (pointers, strides, sizes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(types)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in consts}
+    return triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _gate_up_kernel(interleaved, b_kn, blocked, tma=False, store_h=False, half_tail=False, block=(64, 64, 64),
+                    **options):
+    """The gated forward gate_up GEMM in bf16 (`b_kn`: W[e] is [k, n], n contiguous), B through TMA if `tma`."""
     from mok_compile.kernels.grouped_gemm import _grouped_gemm_kernel as fn
 
+    bm, bn, bk = block
     # As a real launch specialises them: the contiguous weight stride is 1, pointers and strides 16-aligned.
     unit = "stride_bn" if b_kn else "stride_bk"
     consts = dict(TOPK=2, A_GATHER=True, GATED=True, INTERLEAVED=interleaved, ACT=1, HAS_BIAS=False,
-                  PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, BLOCK_E=16, A_SCALE=False, DW_DOT=False,
-                  STORE_H=False, B_KN=False, B_BLOCKED=blocked, b_desc=None, dot_ptr=None, dw_part_ptr=None,
-                  stride_dot=None, TK=None, h_ptr=None, stride_hm=None, scale_ptr=None, **{unit: 1})
-    sig = {n: "i32" for n in fn.arg_names}
-    sig.update({n: "*bf16" for n in ("a_ptr", "b_ptr", "bias_ptr", "c_ptr")})
-    sig.update({n: "*i32" for n in ("sorted_pair_ptr", "expert_count_ptr", "expert_start_ptr")})
-    sig.update(alpha="fp32", limit="fp32")
-    sig.update({n: "i64" for n in ("stride_am", "stride_be", "stride_bk", "stride_bn", "stride_bias_e", "stride_cm")})
-    sig.update({k: "constexpr" for k in consts})
-    aligned = ("a_ptr", "b_ptr", "c_ptr", "stride_am", "stride_be", "stride_bk", "stride_bn", "stride_cm", "up_off",
-               "KD", "N", "col_mul")
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in consts}
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=4, num_stages=3))
-    return kernel.asm["ptx"]
+                  PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=16, A_SCALE=False, DW_DOT=False,
+                  STORE_H=store_h, B_KN=tma and b_kn, B_BLOCKED=blocked, dot_ptr=None, dw_part_ptr=None,
+                  stride_dot=None, TK=None, scale_ptr=None, HALF_TAIL=half_tail, **{unit: 1})
+    types = {n: "*bf16" for n in ("a_ptr", "b_ptr", "bias_ptr", "c_ptr", "h_ptr")}
+    types.update({n: "*i32" for n in ("sorted_pair_ptr", "expert_count_ptr", "expert_start_ptr")})
+    types.update(alpha="fp32", limit="fp32")
+    strides = ("stride_am", "stride_be", "stride_bk", "stride_bn", "stride_bias_e", "stride_cm", "stride_hm")
+    types.update({n: "i64" for n in strides})
+    if tma:
+        types["b_desc"] = f"tensordesc<bf16[1, {bk}, {2 * bn}]>" if b_kn else f"tensordesc<bf16[1, {2 * bn}, {bk}]>"
+    else:
+        consts["b_desc"] = None
+    if not store_h:
+        consts.update(h_ptr=None, stride_hm=None)
+    aligned = ("a_ptr", "b_ptr", "c_ptr", "h_ptr", "up_off", "KD", "N", "col_mul") + strides
+    return _sm90(fn, consts, types, aligned, **options)
+
+
+def _gate_up_bwd_kernel(half_tail=False, block=(64, 64, 64), **options):
+    """The backward's gate_up recompute (gated, F.linear layout) in bf16."""
+    from mok_compile.kernels.grouped_gemm import _gate_up_bwd_kernel as fn
+
+    bm, bn, bk = block
+    consts = dict(TOPK=2, GATED=True, INTERLEAVED=False, ACT=1, HAS_BIAS=False, PRECISION="ieee", BLOCK_M=bm,
+                  BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=16, WOI=False, B_BLOCKED=False, HALF_TAIL=half_tail, stride_w1k=1)
+    types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "w1_ptr", "b1_ptr", "g2_ptr", "dh_ptr", "act_ptr")}
+    types.update({n: "*i32" for n in ("sorted_pair_ptr", "expert_count_ptr", "expert_start_ptr")})
+    types.update(dw_part_ptr="*fp32", alpha="fp32", limit="fp32")
+    strides = ("stride_xm", "stride_w1e", "stride_w1k", "stride_w1n", "stride_b1e", "stride_g2m", "stride_dhm",
+               "stride_am")
+    types.update({n: "i64" for n in strides})
+    aligned = ("x_ptr", "w1_ptr", "g2_ptr", "dh_ptr", "act_ptr", "up_off", "I", "H", "col_mul") + strides
+    return _sm90(fn, consts, types, aligned, **options)
+
+
+def _gate_up_ptx(interleaved, b_kn, blocked):
+    return _gate_up_kernel(interleaved, b_kn, blocked, num_warps=4, num_stages=3).asm["ptx"]
 
 
 @pytest.mark.parametrize("layout", ["linear", "linear_interleaved", "transposed", "transposed_interleaved"])
@@ -47,3 +82,26 @@ def test_weight_tile_loads_are_16_byte_copies(layout):
     ptx = _gate_up_ptx(interleaved, b_kn, blocked)
     assert not re.search(r"ld\.global(\.\w+)*\.b16", ptx), f"{layout}: 2-byte global loads"
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx), f"{layout}: no 16-byte copies"
+
+
+# The tuned H200 config at >= 256 rows per expert (gate_up, bwd_gate_up).
+HALF_TAIL_OPTIONS = dict(block=(128, 128, 64), num_warps=8, num_stages=4)
+HALF_TAIL_KERNELS = {
+    "gate_up": lambda **kw: _gate_up_kernel(False, False, False, **kw),
+    "gate_up_blocked_store_h": lambda **kw: _gate_up_kernel(False, True, True, store_h=True, **kw),
+    "gate_up_tma_interleaved": lambda **kw: _gate_up_kernel(True, True, False, tma=True, **kw),
+    "gate_up_bwd": _gate_up_bwd_kernel,
+}
+
+
+@pytest.mark.parametrize("kernel", list(HALF_TAIL_KERNELS))
+def test_half_tail_compiles_without_more_shared_memory(kernel):
+    """HALF_TAIL puts a second, half-height mainloop and epilogue into the kernel: it compiles for sm_90 at
+    BLOCK_M=128, both loops are pipelined (twice the bulk copies with TMA, more async copies without), and
+    the two heights share their shared memory (the half branch's buffers are never live with the full one's)."""
+    full, half = (HALF_TAIL_KERNELS[kernel](half_tail=h, **HALF_TAIL_OPTIONS) for h in (False, True))
+    print(f"{kernel}: shared memory {full.metadata.shared} B without HALF_TAIL, {half.metadata.shared} B with")
+    assert half.metadata.shared <= full.metadata.shared
+    copies = "cp.async.bulk.tensor" if "tma" in kernel else "cp.async.cg.shared.global"
+    n_full, n_half = full.asm["ptx"].count(copies), half.asm["ptx"].count(copies)
+    assert n_full > 0 and (n_half == 2 * n_full if "tma" in kernel else n_half > n_full), (n_full, n_half)

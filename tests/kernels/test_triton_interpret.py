@@ -26,14 +26,42 @@ def interpreter_results():
 
 
 def test_every_case_ran(interpreter_results):
-    from tests.kernels.cases import CUTLASS_INTERPRET_CASES, INTERPRET_CASES, TMA_INTERPRET_CASES
+    from tests.kernels.cases import (CUTLASS_INTERPRET_CASES, HALF_TAIL_INTERPRET_CASES, HALF_TAIL_TMA_INTERPRET_CASES,
+                                     INTERPRET_CASES, TMA_INTERPRET_CASES)
 
-    assert len(interpreter_results) == len(INTERPRET_CASES) + len(TMA_INTERPRET_CASES) + len(CUTLASS_INTERPRET_CASES)
+    assert len(interpreter_results) == (len(INTERPRET_CASES) + len(TMA_INTERPRET_CASES) + len(CUTLASS_INTERPRET_CASES)
+                                        + len(HALF_TAIL_INTERPRET_CASES) + len(HALF_TAIL_TMA_INTERPRET_CASES))
 
 
 def test_tma_cases_used_descriptors(interpreter_results):
     tma = [res for res in interpreter_results if res["case"].startswith("tma/")]
     assert tma and all(res["tma_descriptors"] > 0 for res in tma), tma
+
+
+def test_half_tail_cases_ran_both_heights(interpreter_results):
+    """HALF_TAIL at BLOCK_M = 32: every case's routing ends some experts in a block of <= 16 rows and others in a
+    taller one, and the grouped GEMMs ran programs at both heights (their accuracy: the tests below)."""
+    from tests.kernels.cases import HALF_TAIL_BLOCK_M
+
+    half = [res for res in interpreter_results if res["case"].startswith("half/")]
+    assert half
+    for res in half:
+        assert min(res["tails"]) <= HALF_TAIL_BLOCK_M // 2 < max(res["tails"]), res
+        heights = res["tiles"]
+        assert heights.get(str(HALF_TAIL_BLOCK_M // 2), 0) > 0 and heights.get(str(HALF_TAIL_BLOCK_M), 0) > 0, res
+        assert "/tma/" not in res["case"] or res["tma_descriptors"] > 0, res
+
+
+def test_half_tail_off_gives_the_same_results(interpreter_results):
+    """The same inputs with MOK_HALF_TAIL=0: no half-height program, forward, h and gradients as with it on."""
+    from tests.kernels.cases import HALF_TAIL_BLOCK_M
+
+    ab = [res for res in interpreter_results if "ab_err" in res]
+    assert ab
+    for res in ab:
+        assert list(res["ab_tiles"]) == [str(HALF_TAIL_BLOCK_M)], res
+        tol = 1e-6 if res["case"].endswith("float32") else 1e-3
+        assert all(err < tol for err in res["ab_err"].values()), res
 
 
 def test_forward_matches_reference(interpreter_results):
