@@ -1,0 +1,52 @@
+"""Block-size data and its tools, on the CPU: the tuned table (`configs.json`), the tuner's filters and the
+half-height-tail switch. (The tuner's candidates may exceed shared memory: it skips those that fail.)"""
+
+from mok_compile.kernels import configs, tune
+
+_SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
+_GATED = ("gate_up", "bwd_gate_up")
+
+
+def _smem_estimate(kernel, cfg) -> int:
+    """The pipelined operand tiles of one program in 16-bit types: stages x (A tile + B tile)."""
+    if kernel == "wgrad":
+        tiles = cfg["BLOCK_P"] * cfg["BLOCK_R"] + cfg["BLOCK_R"] * cfg["BLOCK_Q"]
+    else:
+        width = cfg["BLOCK_N"] * (2 if kernel in _GATED else 1)
+        tiles = cfg["BLOCK_M"] * cfg["BLOCK_K"] + cfg["BLOCK_K"] * width
+    return cfg["num_stages"] * tiles * 2
+
+
+def _tuned_entries():
+    return [(device, key, cfg) for device, table in configs._tuned().items() for key, cfg in table.items()]
+
+
+def test_tuned_table_keys_and_sizes():
+    entries = _tuned_entries()
+    assert entries
+    buckets = {name for name, _ in configs.BUCKETS}
+    for device, key, cfg in entries:
+        kernel, dtype, bucket = key.split("/")
+        assert kernel in tune.KERNELS and dtype == "16bit" and bucket in buckets, (device, key)
+        blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
+        assert all(v >= 16 and v & (v - 1) == 0 for v in blocks.values()), (key, cfg)
+        assert cfg["num_warps"] in (4, 8) and 2 <= cfg["num_stages"] <= 5, (key, cfg)
+        assert set(cfg) - set(blocks) <= {"num_warps", "num_stages", "TMA"}, (key, cfg)
+        assert _smem_estimate(kernel, cfg) <= _SMEM_BYTES, (key, cfg)
+
+
+def test_tuner_filters():
+    assert list(tune._jobs(("gate_up",), {"m256"})) == [((2048, 768, 128, 8, 4096), "m256", "gate_up")]
+    every = list(tune._jobs())
+    assert len(every) == len(tune.TUNE_SHAPES) * len(tune.KERNELS)
+    assert {b for _, b, _ in every} == {name for name, _ in configs.BUCKETS}  # one tuning shape per bucket
+
+
+def test_half_tail_switch(monkeypatch):
+    monkeypatch.delenv("MOK_HALF_TAIL", raising=False)
+    assert configs.half_tail(128) and configs.half_tail(256)
+    assert not configs.half_tail(64)  # a 32-row half would leave Hopper's 64-row wgmma
+    monkeypatch.setenv("MOK_HALF_TAIL", "0")
+    assert not configs.half_tail(128)
+    monkeypatch.setenv("MOK_HALF_TAIL", "1")
+    assert configs.half_tail(64) and configs.half_tail(32) and not configs.half_tail(16)
