@@ -116,12 +116,14 @@ def main():
     print(f"Triton launches: forward {launches(rows['mok.fused_moe forward (no grad)'])}, "
           f"backward {launches(rows['mok.fused_moe_backward'])}")
     print("| call | host us per call |\n|---|---|")
+    host_us = {}
     for name, fn in rows.items():
-        print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
+        host_us[name] = per_call_us(fn)
+        print(f"| {name} | {host_us[name]:.1f} |", flush=True)
     if args.launch_times:
         for name in ("mok.fused_moe forward (no grad)", "mok.fused_moe_backward"):
             per_kernel = launch_times(rows[name])
-            print(f"{name}: Triton launches {sum(per_kernel.values()):.1f} us per call of {per_call_us(rows[name]):.1f}: "
+            print(f"{name}: Triton launches {sum(per_kernel.values()):.1f} us per call of {host_us[name]:.1f}: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])))
     if args.profile:
         import cProfile

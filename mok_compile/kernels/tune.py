@@ -132,12 +132,17 @@ class _Problem:
                 BLOCK_E=triton.next_power_of_2(E), **cfg)
 
 
-def _jobs(kernels=KERNELS, buckets=None):
+def _bucket_of(shape) -> str:
+    """The rows-per-expert bucket (T * K / E) a tuning shape stands for."""
     from .configs import bucket
 
+    H, I, E, K, T = shape
+    return bucket(T * K / E)
+
+
+def _jobs(kernels=KERNELS, buckets=None):
     for shape in TUNE_SHAPES:
-        H, I, E, K, T = shape
-        b = bucket(T * K / E)
+        b = _bucket_of(shape)
         if buckets is not None and b not in buckets:
             continue
         for kernel in kernels:
@@ -147,9 +152,7 @@ def _jobs(kernels=KERNELS, buckets=None):
 def _compile_worker(shape, kernels=KERNELS):
     """Run every candidate once at `shape` (fills Triton's cache); failures are timed out later."""
     p = _Problem(*shape)
-    from .configs import bucket
-
-    b = bucket(shape[4] * shape[3] / shape[2])
+    b = _bucket_of(shape)
     for kernel in kernels:
         for cfg in candidates(kernel, b):
             try:
@@ -174,6 +177,9 @@ def main():
     if unknown:
         ap.error(f"unknown kernels {sorted(unknown)}; choose from {','.join(KERNELS)}")
     buckets = None if args.buckets is None else set(args.buckets.split(","))
+    known = {_bucket_of(shape) for shape in TUNE_SHAPES}
+    if buckets is not None and buckets - known:
+        ap.error(f"unknown buckets {sorted(buckets - known)}; choose from {','.join(sorted(known))}")
     jobs = list(_jobs(kernels, buckets))
     os.makedirs(args.out, exist_ok=True)
     ctx = torch.multiprocessing.get_context("spawn")
