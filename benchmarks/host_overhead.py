@@ -4,19 +4,22 @@
 
 At a few tokens the GPU work is microseconds, so a loop of calls without synchronisation runs at
 the speed of the host: the time per call is the Python + launch cost. Measured for the forward op,
-the backward op, autograd forward+backward, one Triton launch of a small kernel, and a few torch
+the backward op and autograd forward+backward (each also with Triton's own launch path,
+MOK_FAST_LAUNCH=0, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch
 calls for scale (Qwen3-30B-A3B layer shape, bf16).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from benchmarks.moe_layer import SHAPES
+from mok_compile.kernels.launch import launcher
 from tests.kernels.cases import make_case
 
 
@@ -38,48 +41,31 @@ def per_call_us(fn, reps=300) -> float:
     return host
 
 
-def launches(fn) -> int:
-    """Triton kernel launches in one call of fn."""
-    from triton.runtime.jit import JITFunction
-
-    count, run = [0], JITFunction.run
-
-    def counting(self, *a, **k):
-        count[0] += 1
-        return run(self, *a, **k)
-
-    JITFunction.run = counting
-    try:
-        fn()
-    finally:
-        JITFunction.run = run
-    return count[0]
-
-
 def launch_times(fn, reps=200) -> dict:
-    """Host us per call of fn spent inside each Triton kernel's launch (`JITFunction.run`: argument
-    binding, cache lookup, the driver call), by kernel name."""
-    from triton.runtime.jit import JITFunction
+    """{kernel name: (host us per call of fn spent launching it, launches per call)}: the time inside
+    `Launcher.run` (mok's launch path: Triton's own launch the first time per argument key, then the
+    direct one)."""
+    from mok_compile.kernels.launch import Launcher
 
-    spent, run = {}, JITFunction.run
+    spent, run = {}, Launcher.run
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
         try:
             return run(self, *a, **k)
         finally:
-            name = self.fn.__name__
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            t, n = spent.get(self.fn.__name__, (0.0, 0))
+            spent[self.fn.__name__] = t + time.perf_counter() - t0, n + 1
 
     fn()
-    JITFunction.run = timed
+    Launcher.run = timed
     try:
         for _ in range(reps):
             fn()
     finally:
-        JITFunction.run = run
+        Launcher.run = run
     torch.cuda.synchronize()
-    return {name: t / reps * 1e6 for name, t in spent.items()}
+    return {name: (t / reps * 1e6, n // reps) for name, (t, n) in spent.items()}
 
 
 def main():
@@ -103,28 +89,39 @@ def main():
     a = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
 
+    scan_args = (counts, chunk_off, e32, e32, e32, 1, 128)
     rows = {
         "mok.fused_moe forward (no grad)": lambda: torch.ops.mok.fused_moe(*tensors, **kw),
         "mok.fused_moe_backward": lambda: torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw),
         "autograd fwd+bwd (loss = out.sum())": lambda: torch.ops.mok.fused_moe(*leaves, **kw)[0].sum().backward(),
-        "one Triton launch (_scan_kernel, 9 args)": lambda: dispatch._scan_kernel[(1,)](
-            counts, chunk_off, e32, e32, e32, 1, 128, BLOCK_C=64, BLOCK_E=128),
+        "one launch, Triton's (_scan_kernel, 9 args)": lambda: dispatch._scan_kernel[(1,)](
+            *scan_args, BLOCK_C=64, BLOCK_E=128),
+        "one launch, mok's Launcher (the same)": lambda: launcher(dispatch._scan_kernel)[(1,)](
+            *scan_args, BLOCK_C=64, BLOCK_E=128),
         "torch.empty": lambda: torch.empty((16, 2048), device="cuda", dtype=torch.bfloat16),
         "a @ b.t() (cuBLAS)": lambda: a @ b.t(),
     }
+    ops = list(rows)[:3]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, T={args.tokens}")
-    print(f"Triton launches: forward {launches(rows['mok.fused_moe forward (no grad)'])}, "
-          f"backward {launches(rows['mok.fused_moe_backward'])}")
-    print("| call | host us per call |\n|---|---|")
+    print("| call | host us per call | with MOK_FAST_LAUNCH=0 |\n|---|---|---|")
     host_us = {}
     for name, fn in rows.items():
         host_us[name] = per_call_us(fn)
-        print(f"| {name} | {host_us[name]:.1f} |", flush=True)
-    if args.launch_times:
-        for name in ("mok.fused_moe forward (no grad)", "mok.fused_moe_backward"):
-            per_kernel = launch_times(rows[name])
-            print(f"{name}: Triton launches {sum(per_kernel.values()):.1f} us per call of {host_us[name]:.1f}: "
-                  + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])))
+        slow = ""
+        if name in ops:  # the same call through Triton's own launch path
+            os.environ["MOK_FAST_LAUNCH"] = "0"
+            try:
+                slow = f"{per_call_us(fn):.1f}"
+            finally:
+                del os.environ["MOK_FAST_LAUNCH"]
+        print(f"| {name} | {host_us[name]:.1f} | {slow} |", flush=True)
+    for name in ops[:2]:
+        per_kernel = launch_times(rows[name], reps=200 if args.launch_times else 1)
+        line = f"{name}: {sum(n for _, n in per_kernel.values())} Triton launches"
+        if args.launch_times:
+            line += (f", {sum(t for t, _ in per_kernel.values()):.1f} us of {host_us[name]:.1f} per call: "
+                     + ", ".join(f"{k} {t:.1f}" for k, (t, _) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])))
+        print(line)
     if args.profile:
         import cProfile
         import pstats

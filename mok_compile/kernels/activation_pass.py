@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .activation import _r, act_backward, act_forward, act_value_fp32
+from .launch import cdiv, launcher
 
 
 @triton.jit
@@ -119,7 +120,7 @@ _ROWS, _COLS = 32, 128
 def activation_rows(h, disp, topk_ids, bias, I, *, gated, interleaved, act, col_mul, up_off, alpha, limit):
     TK = h.shape[0]
     out = torch.empty((TK, I), dtype=h.dtype, device=h.device)
-    _activation_rows_kernel[(triton.cdiv(TK, _ROWS), triton.cdiv(I, _COLS))](
+    launcher(_activation_rows_kernel)[(cdiv(TK, _ROWS), cdiv(I, _COLS))](
         h, disp.sorted_pair, topk_ids, bias if bias is not None else h, out, TK, I, h.stride(0), out.stride(0),
         bias.stride(0) if bias is not None else 0, col_mul, up_off, alpha, limit, GATED=gated,
         INTERLEAVED=gated and interleaved, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=_ROWS, BLOCK_N=_COLS,
@@ -133,10 +134,10 @@ def activation_bwd_rows(h, g2, w_flat, disp, topk_ids, bias, I, *, gated, interl
     afterwards, which keeps the backward's peak memory at one [TK, 2I] + one [TK, I] buffer), except
     over a saved h (`h_is_saved`: autograd's saved tensor must survive for a retained graph)."""
     TK = h.shape[0]
-    n_parts = triton.cdiv(I, _COLS)
+    n_parts = cdiv(I, _COLS)
     dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if h_is_saved else h
-    _activation_bwd_rows_kernel[(triton.cdiv(TK, _ROWS), n_parts)](
+    launcher(_activation_bwd_rows_kernel)[(cdiv(TK, _ROWS), n_parts)](
         h, g2, w_flat, disp.sorted_pair, topk_ids, bias if bias is not None else h, dh, g2, dw_parts, TK, I,
         h.stride(0), g2.stride(0), dh.stride(0), g2.stride(0), bias.stride(0) if bias is not None else 0,
         col_mul, up_off, alpha, limit, GATED=gated, INTERLEAVED=gated and interleaved, ACT=act,

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launcher
+
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -101,7 +103,7 @@ _COLS = 128
 def segment_sum(src, disp, out, *, gather, scale=None):
     """out [E, N] (any float dtype): per-expert sums of src rows (gathered by token if `gather`)."""
     N = out.shape[1]
-    _segment_sum_kernel[(disp.num_experts, triton.cdiv(N, _COLS))](
+    launcher(_segment_sum_kernel)[(disp.num_experts, cdiv(N, _COLS))](
         src, disp.sorted_pair, scale if scale is not None else src, out, disp.expert_start, disp.expert_count, N,
         src.stride(0), out.stride(0), TOPK=disp.top_k, GATHER=gather, SCALE=scale is not None, BLOCK_R=32,
         BLOCK_N=_COLS, num_warps=4)

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launcher, next_power_of_2
+
 
 @triton.jit
 def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -37,10 +39,10 @@ def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr
 def count_chunks(topk_ids, num_experts, block_t, block_e):
     """chunk_counts from topk_ids (the backward has no router kernel to write them)."""
     T, K = topk_ids.shape
-    n_chunks = triton.cdiv(T, block_t)
+    n_chunks = cdiv(T, block_t)
     counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=topk_ids.device)
     if T > 0:
-        _count_kernel[(n_chunks,)](topk_ids, counts, T, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+        launcher(_count_kernel)[(n_chunks,)](topk_ids, counts, T, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
     return counts
 
 
@@ -100,12 +102,12 @@ class Dispatch:
         self.sorted_pair = torch.empty(T * K, dtype=torch.int32, device=dev)
         self.pair_pos = torch.empty(T * K, dtype=torch.int32, device=dev)
         chunk_off = torch.empty_like(chunk_counts)
-        _scan_kernel[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, self.expert_end, n_chunks,
-                           num_experts,
-                           BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
+        launcher(_scan_kernel)[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, self.expert_end,
+                                     n_chunks, num_experts, BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
         if T > 0:
-            _scatter_kernel[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair, self.pair_pos,
-                                         T, num_experts, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+            launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair,
+                                                   self.pair_pos, T, num_experts, K=K, BLOCK_T=block_t,
+                                                   BLOCK_E=block_e)
         self._sorted_token = None
 
     def sorted_token(self):
@@ -161,9 +163,9 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
     out = torch.empty((T, H), dtype=out_dtype, device=y.device)
     if T == 0:
         return out
-    block_h = min(256, triton.next_power_of_2(H))
+    block_h = min(256, next_power_of_2(H))
     block_t = 16
-    _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+    launcher(_combine_kernel)[(cdiv(T, block_t), cdiv(H, block_h))](
         y, pair_pos, topk_weights if topk_weights is not None else y, extra if extra is not None else y, out,
         T, H, y.stride(0), extra.stride(0) if extra is not None else 0, out.stride(0),
         K=K, HAS_W=topk_weights is not None,

@@ -45,7 +45,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 from ..ops import reference
 from ..ops.spec import with_defaults
@@ -53,6 +52,7 @@ from . import activation_pass, configs, cutlass_gemm
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
+from .launch import cdiv, launcher, next_power_of_2
 from .routing import route, route_backward, routing_block
 
 
@@ -105,7 +105,7 @@ def _gate_up_columns(I, kw):
 
 def _grid_rows(num_pairs, E, block_m):
     """Upper bound on the row blocks over all experts: each expert wastes at most one partial block."""
-    return triton.cdiv(num_pairs, block_m) + min(E, num_pairs)
+    return cdiv(num_pairs, block_m) + min(E, num_pairs)
 
 
 def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_mul, up_off, kw, cfg, precision,
@@ -116,7 +116,7 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
     `h_out` [T*K, 2I or I]: also store the gate_up product before bias and activation (STORE_H)."""
     cfg = dict(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (_grid_rows(disp.num_pairs, disp.num_experts, bm) * triton.cdiv(n, bn),)
+    grid = (_grid_rows(disp.num_pairs, disp.num_experts, bm) * cdiv(n, bn),)
     extra = {}
     if a_scale is not None:
         extra.update(scale_ptr=a_scale, A_SCALE=True)
@@ -139,14 +139,14 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         desc = _weight_descriptor(w, strides_kn, 2 * bn if gated else bn, cfg["BLOCK_K"])
         if desc is not None:
             extra.update(b_desc=desc, B_KN=strides_kn[1] == 1)
-    _grouped_gemm_kernel[grid](
+    launcher(_grouped_gemm_kernel)[grid](
         a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
         n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
         bias.stride(0) if bias is not None else 0, out.stride(0), col_mul, up_off,
         float(kw["alpha"]), float(kw["limit"]),
         TOPK=disp.top_k, A_GATHER=gather, GATED=gated, INTERLEAVED=gated and col_mul == 2, ACT=act,
         HAS_BIAS=bias is not None, PRECISION=precision,
-        BLOCK_E=triton.next_power_of_2(max(disp.num_experts, 2)), **cfg, **extra,
+        BLOCK_E=next_power_of_2(max(disp.num_experts, 2)), **cfg, **extra,
     )
 
 
@@ -182,8 +182,8 @@ def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_p
         assert scale is None  # one scale pointer
         scale = q_scale
         extra["Q_SCALE"] = True
-    grid = (disp.num_experts * triton.cdiv(P, cfg["BLOCK_P"]) * triton.cdiv(Q, cfg["BLOCK_Q"]),)
-    _wgrad_kernel[grid](
+    grid = (disp.num_experts * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"]),)
+    launcher(_wgrad_kernel)[grid](
         p, q, disp.sorted_pair, scale if scale is not None else p, out, dbias if dbias is not None else out,
         disp.expert_count, disp.expert_start, P, Q, p.stride(0), q.stride(0), out.stride(0), strides_pq[0],
         strides_pq[1], dbias.stride(0) if dbias is not None else 0,
@@ -345,7 +345,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)
         dcfg = configs.config("dgrad", x.dtype, rows_per_expert, x.device)
         if woi:  # d w[t,k] = <dxs, x[t]>: partial sums per H-tile from the fp32 accumulator
-            dw_parts = torch.empty((triton.cdiv(H, dcfg["BLOCK_N"]), TK), dtype=torch.float32, device=x.device)
+            dw_parts = torch.empty((cdiv(H, dcfg["BLOCK_N"]), TK), dtype=torch.float32, device=x.device)
         _gemm(dh, disp, gate_up_proj, (w1_n, w1_k), None, dxp, n=H, kd=up_out * I, gather=False, gated=False, act=0,
               col_mul=1, up_off=0, kw=kw, cfg=dcfg, precision=precision, dw_dot=x if woi else None,
               dw_parts=dw_parts if woi else None)
@@ -397,20 +397,20 @@ def _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, do
     gated, woi = kw["gated"], kw.get("weight_on_input", False)
     g2 = _g2_triton(go, disp, down_proj, w2_kn_strides, I, kw, rows_per_expert, precision)
     cfg = configs.config("bwd_gate_up", x.dtype, rows_per_expert, x.device)
-    n_parts = triton.cdiv(I, cfg["BLOCK_N"])
+    n_parts = cdiv(I, cfg["BLOCK_N"])
     # Weight on input: d(topk_weights) comes from dgrad's epilogue instead; nothing is written here.
     dw_parts = torch.empty((1, 1) if woi else (n_parts, TK), dtype=torch.float32, device=x.device)
     dh = torch.empty((TK, (2 if gated else 1) * I), dtype=x.dtype, device=x.device)
     act_w = torch.empty((TK, I), dtype=x.dtype, device=x.device)  # w * act(h), per pair row
     grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
-    _gate_up_bwd_kernel[grid](
+    launcher(_gate_up_bwd_kernel)[grid](
         x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act_w,
         dw_parts, disp.expert_count, disp.expert_start, I, x.shape[1], E, TK, x.stride(0), gate_up_proj.stride(0),
         *w1_kn_strides, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
         act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
         TOPK=disp.top_k, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=act_code,
         HAS_BIAS=gate_up_bias is not None,
-        PRECISION=precision, BLOCK_E=triton.next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
+        PRECISION=precision, BLOCK_E=next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
         **({"B_BLOCKED": True} if _blocked_b(gated, col_mul, w1_kn_strides) else {}),
         **({"HALF_TAIL": True} if configs.half_tail(cfg["BLOCK_M"]) else {}),
     )

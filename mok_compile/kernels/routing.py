@@ -13,12 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launcher, next_power_of_2
+
 ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3}
 
 
 def routing_block(num_experts: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_E): about 4K logits per program, at most 64 tokens."""
-    block_e = triton.next_power_of_2(max(num_experts, 2))
+    block_e = next_power_of_2(max(num_experts, 2))
     return max(1, min(64, 4096 // block_e)), block_e
 
 
@@ -130,21 +132,21 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T)."""
     T, E = logits.shape
     block_t, block_e = routing_block(E)
-    n_chunks = triton.cdiv(T, block_t)
+    n_chunks = cdiv(T, block_t)
     w = torch.empty((T, top_k), dtype=weights_dtype, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=logits.device)
     grouped = routing == "sigmoid_grouped_topk" and n_group > 1
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
-        _route_fwd_kernel[(n_chunks,)](
+        launcher(_route_fwd_kernel)[(n_chunks,)](
             logits, selection_bias if selection_bias is not None else logits, w, ids, counts,
             T, E, logits.stride(0), E // n_group if grouped else E, float(renorm_eps), float(routed_scale),
-            K=top_k, K_PAD=triton.next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
+            K=top_k, K_PAD=next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
             SOFTMAX_LOW=(not softmax_fp32) and logits.dtype != torch.float32,
             HAS_SEL_BIAS=selection_bias is not None and routing == "sigmoid_grouped_topk",
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-            G_PAD=triton.next_power_of_2(max(n_group, 2)), RENORM=renormalize,
+            G_PAD=next_power_of_2(max(n_group, 2)), RENORM=renormalize,
             BLOCK_T=block_t, BLOCK_E=block_e,
         )
     return w, ids, counts, block_t
@@ -233,10 +235,10 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
     dl = torch.empty((T, E), dtype=torch.float32, device=logits.device)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
-        _route_bwd_kernel[(triton.cdiv(T, block_t),)](
+        launcher(_route_bwd_kernel)[(cdiv(T, block_t),)](
             logits, topk_ids, pair_pos, dw_parts, dw_extra if dw_extra is not None else dw_parts, dl,
             T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
-            K=K, K_PAD=triton.next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
+            K=K, K_PAD=next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
             HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e,
         )
     return dl

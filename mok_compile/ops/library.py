@@ -264,11 +264,44 @@ lib.impl("fused_moe_backward_consume", _backward_keeping_gate_up_out, "Composite
 # small MoE layer's GPU time. aot_autograd traces through this kernel the same way.
 
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_BACKEND_KERNELS = {}  # (op, raw keyset below autograd) -> the Python kernel the dispatcher would call
+_FALLTHROUGH = torch._C.DispatchKeySet(torch._C.DispatchKey.BackendSelect) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.ADInplaceOrView)  # keys no mok op has a kernel for: the dispatcher passes them by
 
 
-def _redispatch(op, keyset, args, kwargs):
+def register_backend_kernel(op, key: str, kernel):
+    """`kernel`, registered for `op` on dispatch key `key`, is what the dispatcher calls when nothing but
+    `key` is left below autograd (plain tensors, no modes): the autograd kernel and Function call it
+    directly then (`_call_below_autograd`), skipping two conversions of the op's 20-odd arguments through
+    the dispatcher (~50-100 us of host time per call, which bounds small MoE layers)."""
+    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    _BACKEND_KERNELS[op, keyset.raw_repr()] = kernel
+
+
+def _call_below_autograd(op, keyset, args, kwargs):
+    """`op` on `args` below autograd: its registered backend kernel directly where `keyset` (the call's, as
+    the dispatcher computes it) leaves that backend alone below autograd, else through the dispatcher."""
+    below = keyset & _AFTER_AUTOGRAD
+    kernel = _BACKEND_KERNELS.get((op, below.raw_repr()))
     with torch._C._AutoDispatchBelowAutograd():
-        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+        if kernel is not None:
+            return kernel(*args, **kwargs)
+        return op.redispatch(below, *args, **kwargs)
+
+
+def _keyset_of(tensors):
+    """The dispatch keys of a call on `tensors` as the dispatcher computes them (the tensors' keys and the
+    thread's included keys, less its excluded ones and the fall-through keys), or None where the call
+    could take a path before the dispatcher (a torch function mode, a tensor subclass)."""
+    keyset = torch._C._dispatch_tls_local_include_set()
+    if torch._C._is_torch_function_mode_enabled():
+        return None
+    for t in tensors:
+        if t is not None:
+            if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+                return None
+            keyset = keyset | torch._C._dispatch_keys(t)
+    return keyset - torch._C._dispatch_tls_local_exclude_set() - _FALLTHROUGH
 
 
 def may_save_gate_up(x, kw) -> bool:
@@ -303,14 +336,15 @@ class _FusedMoeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keyset, kwargs, *args):
         if _saves_gate_up(args, kwargs):
-            out, weights, ids, gate_up_out = torch.ops.mok.fused_moe_train(*args, **kwargs)
+            out, weights, ids, gate_up_out = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
             out = (out, weights, ids)
             ctx.save_for_backward(*args, weights, ids, gate_up_out)
         else:
-            out = _redispatch(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
+            out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
             ctx.save_for_backward(*args, out[1], out[2])
         ctx.kwargs = kwargs
         ctx.mark_non_differentiable(out[2])
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros to add
         return out
 
     @staticmethod
@@ -320,12 +354,14 @@ class _FusedMoeFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(tensors[0])
         args = (grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids)
+        keyset = _keyset_of((*args, *saved[10:]))
         if len(saved) == 10:
-            grads = torch.ops.mok.fused_moe_backward(*args, **ctx.kwargs)
+            grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, ctx.kwargs)
         elif _gate_up_out_is_dead(saved[10]):
-            grads = torch.ops.mok.fused_moe_backward_consume(*args, saved[10], **ctx.kwargs)
+            grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, saved[10]), ctx.kwargs)
         else:
-            grads = torch.ops.mok.fused_moe_backward(*args, **ctx.kwargs, gate_up_out=saved[10])
+            grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args,
+                          {**ctx.kwargs, "gate_up_out": saved[10]})
         d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = grads
         # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
         return None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias
@@ -338,10 +374,19 @@ def _gate_up_out_is_dead(h) -> bool:
     return type(h) is torch.Tensor and not torch._C._autograd._get_current_graph_task_keep_graph()
 
 
+def _call(op, keyset, args, kwargs):
+    """`op(*args, **kwargs)` from inside `_FusedMoeFunction` (no gradients recorded there), for a call whose
+    dispatch keys are `keyset` (None: unknown): its backend kernel directly where `register_backend_kernel`
+    allows."""
+    if keyset is not None and _BACKEND_KERNELS.get((op, (keyset & _AFTER_AUTOGRAD).raw_repr())) is not None:
+        return _call_below_autograd(op, keyset, args, kwargs)
+    return op(*args, **kwargs)
+
+
 def _fused_moe_autograd(keyset, *args, **kwargs):
     if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
         return _FusedMoeFunction.apply(keyset, kwargs, *args)
-    return _redispatch(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
+    return _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
 
 
 lib.impl("fused_moe", _fused_moe_autograd, "Autograd", with_keyset=True)

@@ -367,3 +367,76 @@ def test_recompute_gate_up_opt_out(monkeypatch):
     monkeypatch.setenv("MOK_RECOMPUTE_GATE_UP", "1")
     assert not saves_gate_up(tensors[0], tensors[4], tensors[6], kw)
     assert not saves_gate_up(tensors[0], tensors[4], tensors[6], {**kw, "weight_on_input": True})
+
+
+def _fwd_bwd_results(tensors, kw):
+    """Forward, the training forward's h and the backward's gradients: everything a launch writes."""
+    out, w, ids = _op(tensors, kw)
+    _, _, grads = _backward(tensors, kw, w, ids)
+    h = () if kw.get("weight_on_input") else (torch.ops.mok.fused_moe_train(*tensors, **kw)[3],)
+    return (out, w, ids, *[g for g in grads if g is not None], *h)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3", "llama4"])
+def test_fast_launch_matches_tritons_launch(variant, monkeypatch):
+    """mok's direct launches (`launch.Launcher`, the default) give bitwise what Triton's own launch path
+    gives (MOK_FAST_LAUNCH=0), and after the first call no launch goes through Triton's path."""
+    from triton.runtime.jit import JITFunction
+
+    K = 1 if variant == "llama4" else 4
+    tensors, kw = make_case(variant, T=700, H=256, I=128, E=16, K=K, dtype=torch.bfloat16, device=DEV)
+    monkeypatch.setenv("MOK_FAST_LAUNCH", "0")
+    slow = _fwd_bwd_results(tensors, kw)
+    monkeypatch.delenv("MOK_FAST_LAUNCH")
+    _fwd_bwd_results(tensors, kw)  # each launch's first call with its key goes through Triton
+    calls, run = [], JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: calls.append(self.fn.__name__) or run(self, *a, **k))
+    fast = _fwd_bwd_results(tensors, kw)
+    assert calls == []
+    for a, b in zip(slow, fast, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fast_launch_relaunches_through_triton_for_a_misaligned_input(engine, monkeypatch):
+    """An input 2 bytes off 16-byte alignment is a new key (Triton specialises on alignment): its first
+    call goes through Triton's path (which compiles or finds its own kernel), the next ones not, and it
+    gives what Triton's launch gives."""
+    from triton.runtime.jit import JITFunction
+
+    if engine != "triton":
+        pytest.skip("the CUTLASS engines need aligned rows")
+    tensors, kw = make_case("qwen3", T=300, H=256, I=128, E=16, K=4, dtype=torch.bfloat16, device=DEV)
+    x = tensors[0]
+    buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=DEV)
+    misaligned = buf[1:].view_as(x)
+    misaligned.copy_(x)
+    assert misaligned.data_ptr() % 16 != 0
+    monkeypatch.setenv("MOK_FAST_LAUNCH", "0")
+    slow = [_fwd_bwd_results((xx, *tensors[1:]), kw) for xx in (x, misaligned)]
+    monkeypatch.delenv("MOK_FAST_LAUNCH")
+    _fwd_bwd_results(tensors, kw)
+    calls, run = [], JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: calls.append(self.fn.__name__) or run(self, *a, **k))
+    fast = []
+    for xx in (x, misaligned, misaligned):
+        calls.clear()
+        fast.append(_fwd_bwd_results((xx, *tensors[1:]), kw))
+        fast[-1] = (fast[-1], list(calls))
+    assert fast[0][1] == [] and "_grouped_gemm_kernel" in fast[1][1] and fast[2][1] == []
+    for want, (got, _) in zip(slow + slow[1:], fast):
+        for u, v in zip(want, got, strict=True):
+            assert torch.equal(u, v)
+
+
+def test_autograd_kernel_calls_the_cuda_kernel_directly(monkeypatch):
+    """Plain CUDA tensors leave only the CUDA key below autograd: the forward skips the dispatcher's
+    redispatch and calls the CUDA kernel itself (`library.register_backend_kernel`)."""
+    from mok_compile.ops import library
+
+    (key,) = [k for k in library._BACKEND_KERNELS if k[0] is torch.ops.mok.fused_moe.default]
+    kernel, calls = library._BACKEND_KERNELS[key], []
+    monkeypatch.setitem(library._BACKEND_KERNELS, key, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    tensors, kw = make_case("qwen3", T=40, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
+    out, _, _ = _op(tensors, kw)
+    assert calls == [1]
+    assert torch.equal(out, kernel(*tensors, **kw)[0])

@@ -297,3 +297,67 @@ def test_opcheck_backward_consume():
     torch.library.opcheck(torch.ops.mok.fused_moe_backward_consume.default,
                           (grad_out, torch.ones_like(w), *[a.detach() if a is not None else None for a in args],
                            w, ids, h), kw, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- redispatch below autograd
+
+
+def _spies(monkeypatch, calls):
+    """Each mok op's CPU kernel registered as its backend kernel (`library.register_backend_kernel`) behind a
+    spy that logs the op's name: what the CUDA kernels get on a GPU, exercised here on the CPU."""
+    from mok_compile.ops import library
+
+    monkeypatch.setattr(library, "_BACKEND_KERNELS", {})
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    for name in ("fused_moe", "fused_moe_train", "fused_moe_backward", "fused_moe_backward_consume"):
+        op = getattr(torch.ops.mok, name).default
+
+        def spy(*a, _op=op, _name=name, **k):
+            calls.append(_name)
+            return _op.redispatch(cpu, *a, **k)
+
+        library.register_backend_kernel(op, "CPU", spy)
+
+
+def _forward_backward(args, kw):
+    leaves = [a.detach().requires_grad_(a.is_floating_point()) if a is not None else None for a in args]
+    out, w, _ = fused_moe(*leaves, **kw)
+    (out.square().sum() + w.sum()).backward()
+    return out, w, *[t.grad for t in leaves if t is not None and t.grad is not None]
+
+
+def test_backend_kernels_are_called_directly_only_for_plain_tensors(monkeypatch):
+    """With nothing but the backend key left below autograd, the autograd kernel and `_FusedMoeFunction`
+    call the registered backend kernels themselves (forward, training forward, backward); the results are
+    the dispatcher's. Under a dispatch mode (FakeTensorMode) or a torch function mode the dispatcher runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    args, kw = make_args(CASES[0], T=5, dtype=torch.float32)
+    dispatched = (fused_moe(*args, **kw), _forward_backward(args, kw))
+    calls = []
+    _spies(monkeypatch, calls)
+    direct = (fused_moe(*args, **kw), _forward_backward(args, kw))
+    assert calls[0] == "fused_moe" and calls[1] == "fused_moe_train"
+    assert calls[2] in ("fused_moe_backward", "fused_moe_backward_consume") and len(calls) == 3
+    for a, b in zip((*dispatched[0], *dispatched[1]), (*direct[0], *direct[1]), strict=True):
+        assert torch.equal(a, b)
+    calls.clear()
+    with FakeTensorMode() as mode:
+        fake = fused_moe(*[mode.from_tensor(a) if a is not None else None for a in args], **kw)
+    assert calls == [] and fake[0].shape == direct[0][0].shape
+
+    # A torch function mode or a tensor subclass could act before the dispatcher: no direct call then.
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Sub(torch.Tensor):
+        pass
+
+    from mok_compile.ops.library import _keyset_of
+
+    assert _keyset_of(args).has(torch._C.DispatchKey.CPU)
+    with Passing():
+        assert _keyset_of(args) is None
+    assert _keyset_of((*args, args[0].as_subclass(Sub))) is None

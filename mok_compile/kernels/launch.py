@@ -1,0 +1,120 @@
+"""Launching a Triton kernel with less host time than `kernel[grid](...)`.
+
+At a few hundred tokens an MoE layer's GPU work takes less time than the host needs to launch it
+(benchmarks/NOTES-gpu.md, "Host cost"): Triton's launcher binds and specialises every argument of the
+kernel on each call (~60 for the grouped GEMM, most of them constexpr flags left at their defaults),
+hashes the result into its cache key and builds launch metadata, 20-75 us per launch before the
+driver call. `Launcher` keeps, per kernel, the compiled kernels it has launched, under a key of what
+Triton specialises on (each tensor's dtype and address modulo 16, every other argument's type and
+value), and launches a known one straight through `CompiledKernel.run`. The first call with a new
+key goes through Triton (which compiles or finds the kernel) and records it.
+
+Falls back to Triton's own launch wherever the fast path could differ from it: under the CPU
+interpreter, with Triton's launch hooks or pre-run hooks set (profilers), or with MOK_FAST_LAUNCH=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_MAX_ENTRIES = 4096  # per kernel; a key holds sizes (T among them), so serving with many T grows it
+
+
+@functools.cache
+def launcher(fn) -> "Launcher":
+    """The one `Launcher` of the Triton kernel `fn`: `launcher(fn)[grid](...)` where `fn[grid](...)` was."""
+    return Launcher(fn)
+
+
+class Launcher:
+    """`Launcher(jit_fn)[grid](*args, **kwargs)` launches like `jit_fn[grid](*args, **kwargs)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        params = getattr(fn, "params", ())  # none under the interpreter, which never takes the fast path
+        self._names = {p.name: i for i, p in enumerate(params)}
+        self._defaults = [p.default if p.has_default else _MISSING for p in params]
+        self._kernels = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def run(self, grid, args, kwargs):
+        if not _fast_path_enabled() or self.fn.pre_run_hooks:
+            return self.fn[grid](*args, **kwargs)
+        values, options = self.bind(args, kwargs)
+        device = torch._C._cuda_getDevice()  # Triton launches on the current device too
+        key = (device, options, *map(_arg_key, values))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            if hasattr(kernel, "result"):  # compiled asynchronously
+                kernel = kernel.result()
+            if len(self._kernels) >= _MAX_ENTRIES:
+                self._kernels.clear()
+            self._kernels[key] = kernel
+            return kernel
+        n = len(grid)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, None, None, None, *values)  # no hooks are set: no launch metadata
+        return kernel
+
+    def bind(self, args, kwargs) -> tuple[list, tuple]:
+        """(every parameter's value in the kernel's order, defaults filled in, as Triton binds them;
+        the compile options among the keyword arguments (num_warps, num_stages, ...) as sorted pairs)."""
+        values = list(self._defaults)
+        values[: len(args)] = args
+        names = self._names
+        options = []
+        for name, value in kwargs.items():
+            i = names.get(name)
+            if i is None:
+                options.append((name, value))
+            else:
+                values[i] = value
+        # A parameter left _MISSING or one too many: Triton's own launch, which every new key goes through,
+        # raises its error (a key is only recorded after that launch succeeded).
+        options.sort()
+        return values, tuple(options)
+
+
+_MISSING = object()
+
+
+def _arg_key(value):
+    """What Triton's specialisation of `value` depends on, or more: a tensor's dtype and its address
+    modulo 16; a TensorDescriptor's base (the same) and its shape, strides and block shape; any other
+    argument's type and value (type too, so that True and 1, equal in a dict, stay apart)."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() & 15
+    if isinstance(value, TensorDescriptor):
+        base = value.base
+        return (base.dtype, base.data_ptr() & 15, tuple(value.shape), tuple(value.strides),
+                tuple(value.block_shape), value.padding)
+    return type(value), value
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side grid arithmetic: `triton.cdiv` and `triton.next_power_of_2` are constexpr functions,
+    about 1.4 us per call from Python against 0.05 for these (30-odd calls per forward + backward)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _fast_path_enabled() -> bool:
+    return (os.environ.get("MOK_FAST_LAUNCH", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+            and not _hook_set(knobs.runtime.launch_enter_hook) and not _hook_set(knobs.runtime.launch_exit_hook))
+
+
+def _hook_set(hook) -> bool:
+    """A launch hook is set: a non-empty HookChain (Triton 3.6), or any hook where it is a plain callable."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -1,0 +1,154 @@
+"""`mok_compile.kernels.launch.Launcher` on the CPU: argument binding as Triton binds, the key, when a
+launch takes the direct path and when it goes through Triton. A stand-in for the JIT function records
+what each launch did; the GPU tests (test_triton_gpu.py) compare the real launches with Triton's."""
+
+import inspect
+
+import pytest
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mok_compile.kernels import launch
+from mok_compile.kernels.launch import Launcher, _arg_key
+
+
+class _Param:
+    def __init__(self, p: inspect.Parameter):
+        self.name, self.default, self.has_default = p.name, p.default, p.default is not inspect.Parameter.empty
+
+
+class _CompiledStandIn:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *values):
+        self.log.append(("direct", (g0, g1, g2), stream, values))
+
+
+class _JitStandIn:
+    """Parameters from a Python signature; `fn[grid](...)` logs a Triton launch and returns a compiled kernel."""
+
+    pre_run_hooks = ()
+    __name__ = "kernel"
+
+    def __init__(self, signature_of):
+        self.params = [_Param(p) for p in inspect.signature(signature_of).parameters.values()]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _CompiledStandIn(self.log)
+
+        return launch
+
+
+def _kernel(a_ptr, b_ptr, n, alpha, FLAG=False, BLOCK=16, opt_ptr=None):
+    pass
+
+
+@pytest.fixture
+def cuda_stand_ins(monkeypatch):
+    """The two torch.cuda calls of the direct path, on a machine that may have no CUDA build."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MOK_FAST_LAUNCH", raising=False)
+
+
+def test_bind_orders_arguments_as_the_signature_with_defaults():
+    from mok_compile.kernels.grouped_gemm import _grouped_gemm_kernel
+
+    if not hasattr(_grouped_gemm_kernel, "params"):
+        pytest.skip("under the interpreter the kernel is not a JITFunction")
+    sig = inspect.signature(_grouped_gemm_kernel.fn)
+    required = [n for n, p in sig.parameters.items() if p.default is inspect.Parameter.empty]
+    args = tuple(range(len(required) - 2))  # the last two required ones by keyword
+    kwargs = {required[-1]: "x", required[-2]: "y", "HALF_TAIL": True, "num_warps": 8, "num_stages": 3}
+    values, options = Launcher(_grouped_gemm_kernel).bind(args, kwargs)
+    expected = sig.bind(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+    expected.apply_defaults()
+    assert values == list(expected.arguments.values())
+    assert options == (("num_stages", 3), ("num_warps", 8))
+
+
+def test_arg_key_tells_apart_what_triton_specialises_on():
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    assert _arg_key(buf[8:]) == _arg_key(buf)  # 16 bytes on: the same alignment
+    assert _arg_key(buf[1:]) != _arg_key(buf)  # 2 bytes on
+    assert _arg_key(buf.float()) != _arg_key(buf)
+    assert _arg_key(True) != _arg_key(1) and _arg_key(1) != _arg_key(1.0)
+    assert _arg_key(16) != _arg_key(32)
+    w = torch.zeros(4, 32, 64, dtype=torch.bfloat16)
+    desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 16, 64])
+    assert _arg_key(desc) == _arg_key(TensorDescriptor(w.clone(), list(w.shape), list(w.stride()), [1, 16, 64]))
+    assert _arg_key(desc) != _arg_key(TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 32, 64]))
+
+
+def test_second_launch_with_the_same_key_is_direct(cuda_stand_ins):
+    fn = _JitStandIn(_kernel)
+    launcher = Launcher(fn)
+    a, b = torch.zeros(32), torch.zeros(32)
+    launcher[(3,)](a, b, 7, 0.5, BLOCK=32, num_warps=4)
+    launcher[(5, 2)](b, a, 7, 0.5, BLOCK=32, num_warps=4)  # other tensors, same dtypes and alignment
+    assert [entry[0] for entry in fn.log] == ["triton", "direct"]
+    assert fn.log[1] == ("direct", (5, 2, 1), 1234, (b, a, 7, 0.5, False, 32, None))
+
+
+@pytest.mark.parametrize("change", [
+    dict(n=8), dict(alpha=1), dict(FLAG=True), dict(BLOCK=64), dict(num_warps=8), dict(b_ptr="misaligned"),
+    dict(a_ptr="fp16"), dict(opt_ptr="tensor"),
+])
+def test_a_new_key_goes_through_triton(change, cuda_stand_ins):
+    fn = _JitStandIn(_kernel)
+    launcher = Launcher(fn)
+    buf = torch.zeros(64)
+    base = dict(a_ptr=buf[:32], b_ptr=buf[32:], n=7, alpha=0.5, BLOCK=32, num_warps=4)
+    launcher[(1,)](**base)
+    tensors = {"misaligned": buf[33:], "fp16": buf[:32].half(), "tensor": buf}
+    launcher[(1,)](**{**base, **{k: tensors.get(v, v) if isinstance(v, str) else v for k, v in change.items()}})
+    launcher[(1,)](**base)
+    assert [entry[0] for entry in fn.log] == ["triton", "triton", "direct"]
+
+
+def _noop(*args, **kwargs):
+    pass
+
+
+@pytest.mark.parametrize("why", ["MOK_FAST_LAUNCH=0", "TRITON_INTERPRET=1", "launch hook", "pre-run hook"])
+def test_falls_back_to_tritons_launch(why, cuda_stand_ins, monkeypatch, request):
+    fn = _JitStandIn(_kernel)
+    if why == "launch hook":  # a profiler's (proton): Triton 3.6 keeps them in a HookChain
+        hooks = launch.knobs.runtime.launch_enter_hook
+        if hasattr(hooks, "add"):
+            hooks.add(_noop)
+            request.addfinalizer(lambda: hooks.remove(_noop))
+        else:
+            monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", _noop)
+    elif why == "pre-run hook":
+        fn.pre_run_hooks = [lambda *a, **k: None]
+    else:
+        monkeypatch.setenv(*why.split("="))
+    launcher = Launcher(fn)
+    for _ in range(3):
+        launcher[(1,)](torch.zeros(4), torch.zeros(4), 1, 1.0)
+    assert [entry[0] for entry in fn.log] == ["triton"] * 3
+
+
+def test_errors_come_from_tritons_launch_and_are_not_recorded(cuda_stand_ins):
+    class Failing(_JitStandIn):
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.log.append(("triton",))
+                raise TypeError("missing a required argument: 'alpha'")
+
+            return launch
+
+    fn = Failing(_kernel)
+    launcher = Launcher(fn)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="alpha"):
+            launcher[(1,)](torch.zeros(4), torch.zeros(4), 1)
+    assert len(fn.log) == 2
