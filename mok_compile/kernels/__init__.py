@@ -73,10 +73,6 @@ def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, 
                                          gate_up_out=gate_up_out, overwrite_gate_up_out=True)
 
 
-# Registered for the CUDA key, and as what the autograd kernel may call directly with plain CUDA tensors.
-for _name, _kernel in (("fused_moe", fused_moe_cuda), ("fused_moe_backward", fused_moe_backward_cuda),
-                       ("fused_moe_train", fused_moe_train_cuda),
-                       ("fused_moe_backward_consume", fused_moe_backward_consume_cuda)):
-    library.lib.impl(_name, _kernel, "CUDA")
-    library.register_backend_kernel(getattr(torch.ops.mok, _name).default, "CUDA", _kernel)
-del _name, _kernel
+library.impl_backend_kernels("CUDA", {
+    "fused_moe": fused_moe_cuda, "fused_moe_backward": fused_moe_backward_cuda,
+    "fused_moe_train": fused_moe_train_cuda, "fused_moe_backward_consume": fused_moe_backward_consume_cuda})

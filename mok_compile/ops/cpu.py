@@ -143,10 +143,5 @@ def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, 
     return torch.ops.mok_cpu.fused_moe_backward(*args, **kw, gate_up_out=gate_up_out)
 
 
-# Registered for the CPU key, and as what the autograd kernel may call directly with plain CPU tensors
-# (`library.register_backend_kernel`, as the CUDA kernels are).
-for _name, _kernel in (("fused_moe", _fused_moe_cpu), ("fused_moe_train", _fused_moe_train_cpu),
-                       ("fused_moe_backward", _fused_moe_backward_cpu)):
-    library.lib.impl(_name, _kernel, "CPU")
-    library.register_backend_kernel(getattr(torch.ops.mok, _name).default, "CPU", _kernel)
-del _name, _kernel
+library.impl_backend_kernels("CPU", {"fused_moe": _fused_moe_cpu, "fused_moe_train": _fused_moe_train_cpu,
+                                     "fused_moe_backward": _fused_moe_backward_cpu})

@@ -272,30 +272,45 @@ _FALLTHROUGH = torch._C.DispatchKeySet(torch._C.DispatchKey.BackendSelect) | tor
 def register_backend_kernel(op, key: str, kernel):
     """`kernel`, registered for `op` on dispatch key `key`, is what the dispatcher calls when nothing but
     `key` is left below autograd (plain tensors, no modes): the autograd kernel and Function call it
-    directly then (`_call_below_autograd`), skipping two conversions of the op's 20-odd arguments through
+    directly then (`_backend_kernel`), skipping two conversions of the op's 20-odd arguments through
     the dispatcher (~50-100 us of host time per call, which bounds small MoE layers)."""
     keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
     _BACKEND_KERNELS[op, keyset.raw_repr()] = kernel
 
 
+def impl_backend_kernels(key: str, kernels: dict):
+    """Register each `mok::<name>` kernel of `kernels` on dispatch key `key` (CPU, CUDA), and as the kernel the
+    autograd kernel may call directly (`register_backend_kernel`)."""
+    for name, kernel in kernels.items():
+        lib.impl(name, kernel, key)
+        register_backend_kernel(getattr(torch.ops.mok, name).default, key, kernel)
+
+
+def _backend_kernel(op, keyset):
+    """The kernel registered by `register_backend_kernel` for `op` if `keyset` (a call's dispatch keys, None
+    if unknown) leaves that backend alone below autograd, else None."""
+    if keyset is None:
+        return None
+    return _BACKEND_KERNELS.get((op, (keyset & _AFTER_AUTOGRAD).raw_repr()))
+
+
 def _call_below_autograd(op, keyset, args, kwargs):
     """`op` on `args` below autograd: its registered backend kernel directly where `keyset` (the call's, as
     the dispatcher computes it) leaves that backend alone below autograd, else through the dispatcher."""
-    below = keyset & _AFTER_AUTOGRAD
-    kernel = _BACKEND_KERNELS.get((op, below.raw_repr()))
+    kernel = _backend_kernel(op, keyset)
     with torch._C._AutoDispatchBelowAutograd():
         if kernel is not None:
             return kernel(*args, **kwargs)
-        return op.redispatch(below, *args, **kwargs)
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
 
 
 def _keyset_of(tensors):
     """The dispatch keys of a call on `tensors` as the dispatcher computes them (the tensors' keys and the
     thread's included keys, less its excluded ones and the fall-through keys), or None where the call
     could take a path before the dispatcher (a torch function mode, a tensor subclass)."""
-    keyset = torch._C._dispatch_tls_local_include_set()
     if torch._C._is_torch_function_mode_enabled():
         return None
+    keyset = torch._C._dispatch_tls_local_include_set()
     for t in tensors:
         if t is not None:
             if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
@@ -378,9 +393,11 @@ def _call(op, keyset, args, kwargs):
     """`op(*args, **kwargs)` from inside `_FusedMoeFunction` (no gradients recorded there), for a call whose
     dispatch keys are `keyset` (None: unknown): its backend kernel directly where `register_backend_kernel`
     allows."""
-    if keyset is not None and _BACKEND_KERNELS.get((op, (keyset & _AFTER_AUTOGRAD).raw_repr())) is not None:
-        return _call_below_autograd(op, keyset, args, kwargs)
-    return op(*args, **kwargs)
+    kernel = _backend_kernel(op, keyset)
+    if kernel is None:
+        return op(*args, **kwargs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return kernel(*args, **kwargs)
 
 
 def _fused_moe_autograd(keyset, *args, **kwargs):
