@@ -7,7 +7,7 @@ For each shape, T and engine (`MOK_GEMM_ENGINE`): forward and forward+backward o
 (no HF baseline: this picks `configs.engine`'s thresholds; benchmarks.moe_layer compares with HF),
 called eagerly and replayed from a CUDA graph (GPU time without Python launch cost), and the max
 |difference| of the output, input gradient and weight-gradient norms from the first engine's run.
-`--kernels` adds the GPU time per kernel name (torch.profiler) of one fwd+bwd (after it, eager
+`--kernels` adds the GPU time per kernel name (torch.profiler) of one forward and one fwd+bwd (after it, eager
 timings of later engines carry the profiler's hooks: use it alone);
 `--host` a cProfile of the eager fwd+bwd's host time (first engine). Peak memory is one fwd+bwd's
 max_memory_allocated minus what was allocated before it.
@@ -93,12 +93,14 @@ def run(name, T, engines, with_kernels, with_host, log):
                    graph_fwd_bwd_ms=bench(g_fb) if g_fb else float("nan"), max_diff_vs_first=diff,
                    peak_gb=peak_bytes(step) / 1e9)
         if with_kernels:
+            row["fwd_kernels_ms"] = kernel_times(fwd)
             row["kernels_ms"] = kernel_times(step)
         log(f"{name:12s} T={T:6d} {engine:8s} fwd {row['fwd_ms']:.3f} (graph {row['graph_fwd_ms']:.3f}) "
             f"f+b {row['fwd_bwd_ms']:.3f} (graph {row['graph_fwd_bwd_ms']:.3f}) peak {row['peak_gb']:.2f} GB "
             f"max|diff| {diff:.2e}")
         if with_kernels:
-            log("    " + ", ".join(f"{k}: {v}" for k, v in row["kernels_ms"].items()))
+            log("    fwd: " + ", ".join(f"{k}: {v}" for k, v in row["fwd_kernels_ms"].items()))
+            log("    f+b: " + ", ".join(f"{k}: {v}" for k, v in row["kernels_ms"].items()))
         rows.append(row)
         del g_fwd, g_fb
     _set_engine("auto")

@@ -94,11 +94,15 @@ def capability(device: torch.device) -> tuple:
 def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torch.device) -> dict:
     """Block sizes and launch options for `kernel` (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad).
     `TMA` (grouped GEMMs): B tiles through a TMA descriptor where the weights allow it; MOK_TMA=0|1
-    overrides the table (tests, benchmarks)."""
+    overrides the table (tests, benchmarks). `GROUP_M` (grouped GEMMs, the kernels' default 8 where
+    absent): row blocks per group of the tile order; MOK_GROUP_M=n overrides it (benchmarks)."""
     cfg = _config(kernel, dtype, rows_per_expert, device)
     forced = os.environ.get("MOK_TMA")
     if forced in ("0", "1") and kernel not in ("wgrad", "bwd_gate_up"):
         cfg["TMA"] = forced == "1"
+    group = os.environ.get("MOK_GROUP_M")
+    if group and kernel != "wgrad":
+        cfg["GROUP_M"] = int(group)
     return cfg
 
 
@@ -135,18 +139,26 @@ def _config(kernel, dtype, rows_per_expert, device):
 # CUTLASS is used from this many mean rows per expert (T * top_k / E) on; measured on an H200 with
 # `python -m benchmarks.engines` (table in benchmarks/NOTES-gpu.md): Triton wins at few rows per
 # expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~256 rows on for
-# the sorted GEMMs, from ~512 for the gathered ones, and in the weight gradients from ~64.
+# the sorted GEMMs, from ~512 for the gathered ones of wide experts (below), and in the weight gradients
+# from ~64.
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
 # MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
 # T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
+# The gathered stage takes CUTLASS only for wide experts (H * I from _GATHERED_CUTLASS_MIN_SIZE): since the
+# Triton gate_up reads gate and up through one TMA box and walks its tiles in row-block groups (NOTES v13),
+# it is faster at Qwen3's 1024 rows per expert (T=16384: graph forward 2.51 against 3.02 ms) and GPT-OSS's
+# 512 (1.71 against 1.81), and ties Mixtral's 1024 (5.04 against 5.01, whose activation and gather passes
+# are small next to its GEMMs).
 STAGES = ("gathered", "down", "dgrad", "wgrad")
 _CUTLASS_FROM_ROWS = {"gathered": 512, "down": 256, "dgrad": 256, "wgrad": 64}
 _CUTLASS_FROM_ROWS_TRANSPOSED = {**_CUTLASS_FROM_ROWS, "wgrad": 0}
+_GATHERED_CUTLASS_MIN_SIZE = 1 << 24  # H * I: Mixtral 4096 * 14336 takes CUTLASS; GPT-OSS 2880^2, Qwen3 do not
 
 
-def engine(stage: str, rows_per_expert: float, transposed: bool = False) -> str:
-    """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all)."""
+def engine(stage: str, rows_per_expert: float, transposed: bool = False, expert_size: int | None = None) -> str:
+    """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all);
+    `expert_size` = H * I, where known."""
     forced = os.environ.get("MOK_GEMM_ENGINE", "")
     if forced:
         if forced in ("triton", "cutlass"):
@@ -158,4 +170,6 @@ def engine(stage: str, rows_per_expert: float, transposed: bool = False) -> str:
                 raise ValueError(f"MOK_GEMM_ENGINE: stage {stage!r} must be 'triton' or 'cutlass', got {choice!r}")
             return choice
     table = _CUTLASS_FROM_ROWS_TRANSPOSED if transposed else _CUTLASS_FROM_ROWS
+    if stage == "gathered" and expert_size is not None and expert_size < _GATHERED_CUTLASS_MIN_SIZE:
+        return "triton"
     return "cutlass" if rows_per_expert >= table[stage] else "triton"

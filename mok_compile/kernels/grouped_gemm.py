@@ -52,6 +52,20 @@ def _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M: tl.c
 
 
 @triton.jit
+def _tile_of(pid, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, N tile) of program pid, GROUP_M row blocks at a time: the programs running together share
+    a few row blocks' weight tiles in L2 (row block fastest within a group, then N tile). Row block fastest
+    over all N tiles instead made every row block of a wide expert re-read its weights from DRAM (Mixtral:
+    112 N tiles of one row block fill the GPU, and the expert's 8 row blocks run one after another)."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = tl.num_programs(0) // num_n
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, N, KD, col_mul, up_off,
               GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, a_scale_ptrs=None, A_SCALE: tl.constexpr = False,
@@ -65,15 +79,16 @@ def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, 
     A_SCALE (weight on input): each A row is multiplied by its scale (`a_scale_ptrs`, one per row)
     in fp32 and rounded to A's dtype before the dot, as `(x * w).to(x.dtype)` is in PyTorch.
 
-    B_BLOCKED (gated, gate and up as column blocks of a [k, n]-contiguous weight, e.g. Llama4's
-    [E, H, 2I]): the tile holds gate n0.. then up n0.. as two contiguous runs (alternating columns
-    would be I apart: one load per element), and the result is permuted to the order above.
+    B_BLOCKED (gated, gate and up as column blocks): the tile holds gate n0.. then up n0.. as two
+    runs, and the result is permuted to the order above. Per-thread loads take it for a
+    [k, n]-contiguous weight, e.g. Llama4's [E, H, 2I] (alternating columns would be I apart: one
+    load per element); TMA for either layout (one 4-d box, `_mainloop_tma`).
 
     b_desc (a TMA descriptor of all experts' weights, `_weight_descriptor`): B tiles come from the
     Hopper tensor-memory accelerator instead of per-thread loads; see `_mainloop_tma`."""
     if b_desc is not None:
         acc = _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED, B_KN, PRECISION, BLOCK_M,
-                            BLOCK_N, BLOCK_K)
+                            BLOCK_N, BLOCK_K, GATED and B_BLOCKED)
     else:
         if GATED and B_BLOCKED:
             jj = tl.arange(0, 2 * BLOCK_N)
@@ -110,18 +125,23 @@ def _mainloop(a_ptr, a_rows, rmask, stride_am, b_ptr, stride_bk, stride_bn, n0, 
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
-        if GATED and B_BLOCKED:  # [gate block | up block] -> gate n, up n, gate n+1, ...
-            acc = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)), (BLOCK_M, 2 * BLOCK_N))
+    if GATED and B_BLOCKED:  # [gate block | up block] -> gate n, up n, gate n+1, ...
+        acc = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)), (BLOCK_M, 2 * BLOCK_N))
     return acc
 
 
 @triton.jit
 def _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED: tl.constexpr, B_KN: tl.constexpr,
-                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GATE_UP_BOX: tl.constexpr = False):
     """`_mainloop` with B from a descriptor ([E, k, n] if B_KN, else [E, n, k]); A stays a per-thread
-    (gathered) load. Gated only with interleaved gate/up columns, whose [BLOCK_K, 2*BLOCK_N] tile is
-    one box (gate and up as separate column blocks took two boxes and two dots: slower than the
-    per-thread loads on an H200)."""
+    (gathered) load. Gated weights come as one box per K step either way:
+    - interleaved gate/up columns: a [BLOCK_K, 2*BLOCK_N] box of the 3-d weight;
+    - gate and up as column blocks (GATE_UP_BOX): the descriptor views the weight as 4-d, with the
+      gate/up half as its own size-2 dimension ([E, k, 2, I] if B_KN, else [E, 2, I, k]), and one
+      [.., 2, BLOCK_N, ..] box holds both blocks (returned as [gate block | up block], as B_BLOCKED).
+      Columns past I are zero-filled per half, so a partial N tile never reads the other half.
+      (v8 read the two blocks as two 3-d boxes with two dots: slower than per-thread loads.)"""
     WIDTH: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     c0 = 2 * n0 if GATED else n0
     kk = tl.arange(0, BLOCK_K)
@@ -129,7 +149,11 @@ def _mainloop_tma(a_ptr, a_rows, rmask, stride_am, b_desc, e, n0, KD, GATED: tl.
     acc = tl.zeros((BLOCK_M, WIDTH), tl.float32)
     for k0 in range(0, KD, BLOCK_K):
         a = tl.load(a_ptrs, mask=rmask[:, None] & ((k0 + kk) < KD)[None, :], other=0.0)
-        if B_KN:
+        if GATE_UP_BOX and B_KN:
+            b = b_desc.load([e, k0, 0, n0]).reshape(BLOCK_K, WIDTH)
+        elif GATE_UP_BOX:
+            b = tl.trans(b_desc.load([e, 0, n0, k0]).reshape(WIDTH, BLOCK_K))
+        elif B_KN:
             b = b_desc.load([e, k0, c0]).reshape(BLOCK_K, WIDTH)
         else:
             b = tl.trans(b_desc.load([e, c0, k0]).reshape(WIDTH, BLOCK_K))
@@ -158,7 +182,7 @@ def _grouped_gemm_kernel(
     scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
     A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
     STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 8,
 ):
     """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
     A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
@@ -167,11 +191,9 @@ def _grouped_gemm_kernel(
     STORE_H (training forward gate_up): also store the product before bias and activation, rounded, in
     W's column layout (h[row, c] for c < 2I gated), for the backward to read instead of recomputing.
     b_desc: B through TMA (`_mainloop_tma`); b_ptr and its strides are then unused.
-    HALF_TAIL: a block of at most BLOCK_M // 2 rows (an expert's last) runs at that height (module doc)."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    HALF_TAIL: a block of at most BLOCK_M // 2 rows (an expert's last) runs at that height (module doc).
+    GROUP_M: programs walk the tiles GROUP_M row blocks at a time (`_tile_of`)."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), N, BLOCK_N, GROUP_M)
     e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -259,7 +281,7 @@ def _gate_up_bwd_kernel(
     TOPK: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, WOI: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
-    HALF_TAIL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 8,
 ):
     """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
     g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
@@ -268,11 +290,8 @@ def _gate_up_bwd_kernel(
         w * act(h)                                 stored for dW2
     WOI (weight on input): h = (x[t] * w).to(x.dtype) @ W1[e]; the output is not weighted, so
     dh = act'(h) * g2, act(h) is stored unscaled and no dw_part is written (d w comes from dgrad).
-    HALF_TAIL: as in `_grouped_gemm_kernel`."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    HALF_TAIL, GROUP_M: as in `_grouped_gemm_kernel`."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), I, BLOCK_N, GROUP_M)
     e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -371,7 +390,6 @@ def _wgrad_kernel(
     rr = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_P, BLOCK_Q), tl.float32)
     bacc = tl.zeros((BLOCK_P,), tl.float32)
-    DT = p_ptr.dtype.element_ty
     for r0 in range(0, count, BLOCK_R):
         rmask = (r0 + rr) < count
         r = start + r0 + rr

@@ -90,7 +90,7 @@ def _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw):
     its weight gradients may take CUTLASS over pre-scaled rows."""
     if not cutlass_gemm.eligible(x, gate_up_proj, down_proj, I):
         return dict.fromkeys(configs.STAGES, "triton")
-    eng = {stage: configs.engine(stage, rows_per_expert, kw["transposed"]) for stage in configs.STAGES}
+    eng = {stage: configs.engine(stage, rows_per_expert, kw["transposed"], x.shape[1] * I) for stage in configs.STAGES}
     if kw.get("weight_on_input", False):
         eng.update(gathered="triton", down="triton", dgrad="triton")
     return eng
@@ -129,16 +129,16 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         extra["B_BLOCKED"] = True
     if configs.half_tail(bm):
         extra["HALF_TAIL"] = True
-    # B through TMA: where the tuned config says so; for interleaved gate/up columns (GPT-OSS) unless
-    # MOK_TMA=0 (measured faster there, and the tuning shapes have the other layout); never for gate and
-    # up as column blocks (see `_mainloop_tma`).
+    # B through TMA: where the tuned config says so (or MOK_TMA=1); for interleaved gate/up columns
+    # (GPT-OSS) unless MOK_TMA=0 (measured faster there, and the tuning shapes have the other layout).
     tma = cfg.pop("TMA", None)
-    if gated:
-        tma = col_mul == 2 and tma is not False
+    if gated and col_mul == 2:
+        tma = tma is not False
     if tma and a_scale is None:
-        desc = _weight_descriptor(w, strides_kn, 2 * bn if gated else bn, cfg["BLOCK_K"])
+        gate_up_box = up_off if gated and col_mul == 1 else None
+        desc = _weight_descriptor(w, strides_kn, 2 * bn if gated else bn, cfg["BLOCK_K"], gate_up_box)
         if desc is not None:
-            extra.update(b_desc=desc, B_KN=strides_kn[1] == 1)
+            extra.update(b_desc=desc, B_KN=strides_kn[1] == 1, B_BLOCKED=gate_up_box is not None)
     launcher(_grouped_gemm_kernel)[grid](
         a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
         n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
@@ -155,17 +155,30 @@ def _blocked_b(gated, col_mul, strides_kn) -> bool:
     return gated and col_mul == 1 and strides_kn[1] == 1
 
 
-def _weight_descriptor(w, strides_kn, width, block_k):
+def _weight_descriptor(w, strides_kn, width, block_k, gate_up_box=None):
     """TMA descriptor over all experts' weights `w` [E, d1, d2] as stored (d2 contiguous: n for [E, k, n],
     k for [E, n, k]) with [1, block_k, width] / [1, width, block_k] boxes; None where TMA cannot read
-    them: not Hopper or newer, a 32-bit dtype, or strides and base not 16-byte aligned."""
+    them: not Hopper or newer, a 32-bit dtype, or strides and base not 16-byte aligned.
+    `gate_up_box` = I (gated, gate columns [0, I) and up columns [I, 2I)): the n dimension split in two,
+    [E, k, 2, I] / [E, 2, I, k] with [1, block_k, 2, width/2] / [1, 2, width/2, block_k] boxes
+    (`_mainloop_tma`'s GATE_UP_BOX)."""
     if not (_tma_device(w.device) and w.dim() == 3 and w.element_size() == 2 and w.stride(2) == 1
             and 1 in strides_kn and w.data_ptr() % 16 == 0 and w.stride(0) % 8 == 0 and w.stride(1) % 8 == 0):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    box = [1, block_k, width] if strides_kn[1] == 1 else [1, width, block_k]
-    return TensorDescriptor(w, list(w.shape), list(w.stride()), box)
+    shape, strides = list(w.shape), list(w.stride())
+    if gate_up_box is None:
+        box = [1, block_k, width] if strides_kn[1] == 1 else [1, width, block_k]
+        return TensorDescriptor(w, shape, strides, box)
+    I, n_stride = gate_up_box, strides_kn[1]
+    if (I * n_stride) % 8:  # the up half's offset must be 16-byte aligned too
+        return None
+    if n_stride == 1:  # [E, k, 2I] -> [E, k, 2, I]
+        return TensorDescriptor(w, [shape[0], shape[1], 2, I], [strides[0], strides[1], I, 1],
+                                [1, block_k, 2, width // 2])
+    return TensorDescriptor(w, [shape[0], 2, I, shape[2]], [strides[0], I * strides[1], strides[1], 1],
+                            [1, 2, width // 2, block_k])
 
 
 def _tma_device(device) -> bool:

@@ -66,9 +66,10 @@ CUTLASS_INTERPRET_CASES = EVERY_VARIANT_FP32 + [
 ]
 
 # The Triton GEMMs with B through TMA descriptors (MOK_TMA=1; 16-bit weights whose strides are multiples
-# of 8): gate and up as column blocks or interleaved, both weight layouts, non-gated, biases.
+# of 8): gate and up as column blocks (one 4-d box, both weight layouts; I = 24 leaves a partial N tile)
+# or interleaved, non-gated, biases.
 TMA_INTERPRET_CASES = [(v, 19, 40, 24, 8, 2, torch.float16)
-                       for v in ("qwen3", "gpt_oss", "relu", "relu2", "gelu_tanh_glu", "granite")]
+                       for v in ("qwen3", "glu_transposed", "gpt_oss", "relu", "relu2", "gelu_tanh_glu", "granite")]
 TMA_INTERPRET_CASES += [("deepseek_v3", 23, 32, 16, 16, 4, torch.float16)]
 
 # Half-height tails (HALF_TAIL): run with the GEMM configs at this BLOCK_M (half: 16 rows) on inputs whose

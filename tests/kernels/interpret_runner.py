@@ -90,12 +90,13 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
 def check_tma(case, prefix="tma/", **check_kw):
     """`check` with the Triton GEMMs' B through TMA; counts the descriptors made, so that a silent
     fallback to per-thread loads fails the test."""
-    made = []
+    made, gate_up_boxes = [], []
     make = moe._weight_descriptor
 
     def counting(*args, **kw):
         desc = make(*args, **kw)
         made.append(desc is not None)
+        gate_up_boxes.append(desc is not None and len(desc.shape) == 4)
         return desc
 
     moe._weight_descriptor = counting
@@ -106,6 +107,7 @@ def check_tma(case, prefix="tma/", **check_kw):
         moe._weight_descriptor = make
         del os.environ["MOK_TMA"]
     res["tma_descriptors"] = sum(made)
+    res["tma_gate_up_boxes"] = sum(gate_up_boxes)  # 4-d: gate and up as column blocks in one box
     return res
 
 

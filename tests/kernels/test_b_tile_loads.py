@@ -40,7 +40,9 @@ def _gate_up_kernel(interleaved, b_kn, blocked, tma=False, store_h=False, half_t
     types.update(alpha="fp32", limit="fp32")
     strides = ("stride_am", "stride_be", "stride_bk", "stride_bn", "stride_bias_e", "stride_cm", "stride_hm")
     types.update({n: "i64" for n in strides})
-    if tma:
+    if tma and blocked:  # gate and up as column blocks: one 4-d box (moe._weight_descriptor's gate_up_box)
+        types["b_desc"] = f"tensordesc<bf16[1, {bk}, 2, {bn}]>" if b_kn else f"tensordesc<bf16[1, 2, {bn}, {bk}]>"
+    elif tma:
         types["b_desc"] = f"tensordesc<bf16[1, {bk}, {2 * bn}]>" if b_kn else f"tensordesc<bf16[1, {2 * bn}, {bk}]>"
     else:
         consts["b_desc"] = None
@@ -90,8 +92,23 @@ HALF_TAIL_KERNELS = {
     "gate_up": lambda **kw: _gate_up_kernel(False, False, False, **kw),
     "gate_up_blocked_store_h": lambda **kw: _gate_up_kernel(False, True, True, store_h=True, **kw),
     "gate_up_tma_interleaved": lambda **kw: _gate_up_kernel(True, True, False, tma=True, **kw),
+    "gate_up_tma_blocks": lambda **kw: _gate_up_kernel(False, False, True, tma=True, **kw),
     "gate_up_bwd": _gate_up_bwd_kernel,
 }
+
+
+@pytest.mark.parametrize("b_kn", [False, True], ids=["linear", "transposed"])
+def test_gate_up_column_blocks_take_one_4d_box_per_k_step(b_kn):
+    """Gate and up as column blocks through TMA: each K step's B tile is one 4-d bulk copy (both halves), never
+    per-thread copies of B: the only `cp.async.cg` left are the gathered A rows' (the same count as the
+    non-gated TMA kernel's, whose B is one 3-d box)."""
+    cfg = dict(block=(128, 128, 64), num_warps=8, num_stages=3)
+    ptx = _gate_up_kernel(False, b_kn, True, tma=True, **cfg).asm["ptx"]
+    assert ".4d" in ptx and not re.search(r"cp\.async\.bulk\.tensor\.3d", ptx)
+    per_thread = _gate_up_kernel(False, b_kn, b_kn, **cfg).asm["ptx"]
+    a_only = _gate_up_kernel(True, b_kn, False, tma=True, **cfg).asm["ptx"]  # interleaved: B is one 3-d box
+    n_copies = [p.count("cp.async.cg.shared.global") for p in (ptx, a_only, per_thread)]
+    assert n_copies[0] == n_copies[1] < n_copies[2], n_copies
 
 
 @pytest.mark.parametrize("kernel", list(HALF_TAIL_KERNELS))

@@ -17,6 +17,15 @@ def test_thresholds_by_rows_per_expert():
     assert configs.engine("wgrad", 32) == "triton" and configs.engine("wgrad", 64) == "cutlass"
 
 
+def test_gathered_stage_takes_cutlass_only_for_wide_experts():
+    mixtral, gpt_oss, qwen3 = 4096 * 14336, 2880 * 2880, 2048 * 768
+    assert configs.engine("gathered", 1024, expert_size=mixtral) == "cutlass"
+    assert configs.engine("gathered", 256, expert_size=mixtral) == "triton"  # the row threshold still holds
+    for size in (gpt_oss, qwen3):
+        assert configs.engine("gathered", 10_000, expert_size=size) == "triton"
+        assert configs.engine("down", 256, expert_size=size) == "cutlass"  # the other stages do not look at it
+
+
 def test_transposed_weights_take_cutlass_weight_gradients_at_any_size():
     assert configs.engine("wgrad", 1, transposed=True) == "cutlass"
     assert configs.engine("wgrad", 1, transposed=False) == "triton"

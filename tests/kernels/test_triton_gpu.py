@@ -147,9 +147,10 @@ def test_bitwise_deterministic(variant):
 
 
 # Half-height tails (HALF_TAIL): rows per expert (T * K / E) where the tuned configs take BLOCK_M = 128 (256; 128
-# for DeepSeek-V3's shape), so that random routing ends experts in last blocks of both heights.
+# for DeepSeek-V3's shape; 1024 and 2048: the m1024 and mbig buckets' configs, B through TMA), so that random
+# routing ends experts in last blocks of both heights.
 HALF_TAIL_CASES = [("qwen3", 1024, 8), ("deepseek_v3", 512, 8), ("gpt_oss", 1024, 8), ("glu_transposed", 1024, 8),
-                   ("llama4", 4096, 1), ("relu2", 1024, 8)]
+                   ("llama4", 4096, 1), ("relu2", 1024, 8), ("qwen3", 4096, 8), ("glu_transposed", 8192, 8)]
 
 
 @pytest.mark.parametrize("variant,T,K", HALF_TAIL_CASES)
@@ -433,7 +434,9 @@ def test_autograd_kernel_calls_the_cuda_kernel_directly(monkeypatch):
     redispatch and calls the CUDA kernel itself (`library.register_backend_kernel`)."""
     from mok_compile.ops import library
 
-    (key,) = [k for k in library._BACKEND_KERNELS if k[0] is torch.ops.mok.fused_moe.default]
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA).raw_repr()
+    key = (torch.ops.mok.fused_moe.default, cuda)
+    assert key in library._BACKEND_KERNELS
     kernel, calls = library._BACKEND_KERNELS[key], []
     monkeypatch.setitem(library._BACKEND_KERNELS, key, lambda *a, **k: calls.append(1) or kernel(*a, **k))
     tensors, kw = make_case("qwen3", T=40, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)

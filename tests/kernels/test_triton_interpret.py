@@ -36,6 +36,13 @@ def test_every_case_ran(interpreter_results):
 def test_tma_cases_used_descriptors(interpreter_results):
     tma = [res for res in interpreter_results if res["case"].startswith("tma/")]
     assert tma and all(res["tma_descriptors"] > 0 for res in tma), tma
+    # Gate and up as column blocks (both layouts) read through one 4-d box; interleaved and non-gated do not.
+    from tests.kernels.cases import VARIANTS
+
+    for res in tma:
+        routing, experts = VARIANTS[res["case"].split("/")[1]][:2]
+        column_blocks = experts.gated and not experts.interleaved and not routing.get("weight_on_input", False)
+        assert (res["tma_gate_up_boxes"] > 0) == column_blocks, res
 
 
 def test_half_tail_cases_ran_both_heights(interpreter_results):
