@@ -136,7 +136,7 @@ def main():
     a, b = tails["inductor"], tails["mok"]
     results["logits_rel_err_mok_vs_inductor"] = ((a - b).norm() / a.norm()).item()
     r = results
-    print(f"| backend | train step ms | train tok/s | prefill ms | prefill tok/s |\n|---|---|---|---|---|")
+    print("| backend | train step ms | train tok/s | prefill ms | prefill tok/s |\n|---|---|---|---|---|")
     for name in ("inductor", "mok"):
         print(f"| {name} | {r[name]['train_ms']:.1f} | {r[name]['train_tok_s']:.0f} | {r[name]['prefill_ms']:.1f} "
               f"| {r[name]['prefill_tok_s']:.0f} |")

@@ -7,6 +7,8 @@ For each shape and token count T, in bf16 with random weights (std 0.02):
   hf+comp   the same block under torch.compile (inductor, static shapes)
   mok       torch.ops.mok.fused_moe called on the block's own weights (routing included; a shared
             expert, as DeepSeek-V3 has, is computed outside the op, as HF does)
+  mok+comp  the user's path: transformers' block under torch.compile(backend="mok") (static shapes),
+            which must fuse the block into the op (checked; the run stops otherwise)
 forward (no_grad) and forward+backward (loss = mean(out^2), x and all weights require grad),
 medians of triton.testing.do_bench. The floor is max(FLOPs / measured bf16 matmul rate,
 expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for fwd+bwd) and
@@ -23,6 +25,7 @@ import os
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from mok_compile import hf_blocks
@@ -98,8 +101,15 @@ def make_runners(family, block):
     def hf(x):
         return _first(block(x))
 
+    from mok_compile.backend import mok_backend
+
+    def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
+        return _first(block(x))
+
     compiled = torch.compile(hf, dynamic=False)
-    return {"hf": hf, "hf+comp": compiled, "mok": mok}
+    return {"hf": hf, "hf+comp": compiled, "mok": mok,
+            # the backend as a callable: the checkout need not be pip-installed (entry point) on the GPU machine
+            "mok+comp": torch.compile(hf_for_mok, backend=mok_backend, dynamic=False)}
 
 
 def graphed(step):
@@ -205,8 +215,15 @@ def run_shape(name, tokens, ceilings, log, do_profile=False):
             profile(runners["mok"], x.clone().requires_grad_(), params, f"{name} T={T}")
         for which, fn in runners.items():
             t0 = time.time()
+            for p in params:  # the previous runner's gradients (a DeepSeek-V3 layer's: 22 GB) are not this one's
+                p.grad = None
+            torch.cuda.empty_cache()
+            fused_before = counters["mok"]["fused_moe"]
             with torch.no_grad():
                 row[f"{which}_fwd_ms"] = bench(lambda: fn(x))
+            if which == "mok+comp" and counters["mok"]["fused_moe"] == fused_before:
+                raise SystemExit(f"{name} T={T}: backend='mok' fused no MoE block (see "
+                                 "mok_compile.diagnostics.explain); its column would time plain inductor")
             xg = x.clone().requires_grad_()
             step = fwd_bwd(fn, xg, params)
             step()  # compile / warm up
@@ -231,18 +248,24 @@ def run_shape(name, tokens, ceilings, log, do_profile=False):
 
 
 def table(rows, ceilings) -> str:
+    """x = the compiled baseline's time / ours (mok: the op called eagerly; mok+comp: the block under
+    torch.compile(backend="mok"), the user's path)."""
     lines = [f"ceilings: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s",
-             "| shape | T | hf fwd | hf+comp fwd | mok fwd | x vs comp | floor/mok | hf f+b | hf+comp f+b | mok f+b "
-             "| x vs comp | floor/mok | peak GB hf / comp / mok | err vs hf | mok graph fwd / f+b |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | T | hf fwd | hf+comp fwd | mok fwd | x | mok+comp fwd | x | floor/mok | hf f+b | hf+comp f+b "
+             "| mok f+b | x | mok+comp f+b | x | floor/mok | peak GB hf / comp / mok / mok+comp | err vs hf "
+             "| mok graph fwd / f+b |",
+             "|" + "---|" * 19]
     for r in rows:
-        lines.append(
-            f"| {r['shape']} | {r['T']} | {r['hf_fwd_ms']:.3f} | {r['hf+comp_fwd_ms']:.3f} | {r['mok_fwd_ms']:.3f} "
-            f"| {r['hf+comp_fwd_ms'] / r['mok_fwd_ms']:.2f} | {r['floor_fwd_ms'] / r['mok_fwd_ms']:.2f} "
-            f"| {r['hf_fwd_bwd_ms']:.3f} | {r['hf+comp_fwd_bwd_ms']:.3f} | {r['mok_fwd_bwd_ms']:.3f} "
-            f"| {r['hf+comp_fwd_bwd_ms'] / r['mok_fwd_bwd_ms']:.2f} | {r['floor_fwd_bwd_ms'] / r['mok_fwd_bwd_ms']:.2f} "
-            f"| {r['hf_fwd_bwd_peak_gb']:.2f} / {r['hf+comp_fwd_bwd_peak_gb']:.2f} / {r['mok_fwd_bwd_peak_gb']:.2f} "
-            f"| {r['mok_vs_hf_rel_err']:.1e} | {r['mok_graph_fwd_ms']:.3f} / {r['mok_graph_fwd_bwd_ms']:.3f} |")
+        cells = [r["shape"], r["T"]]
+        for phase in ("fwd", "fwd_bwd"):
+            base = r[f"hf+comp_{phase}_ms"]
+            cells += [f"{r[f'hf_{phase}_ms']:.3f}", f"{base:.3f}"]
+            for which in ("mok", "mok+comp"):
+                cells += [f"{r[f'{which}_{phase}_ms']:.3f}", f"{base / r[f'{which}_{phase}_ms']:.2f}"]
+            cells.append(f"{r[f'floor_{phase}_ms'] / r[f'mok_{phase}_ms']:.2f}")
+        cells.append(" / ".join(f"{r[f'{w}_fwd_bwd_peak_gb']:.2f}" for w in ("hf", "hf+comp", "mok", "mok+comp")))
+        cells += [f"{r['mok_vs_hf_rel_err']:.1e}", f"{r['mok_graph_fwd_ms']:.3f} / {r['mok_graph_fwd_bwd_ms']:.3f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -258,6 +281,7 @@ def plot(rows, path):
         T = [r["T"] for r in rs]
         ax1.plot(T, [r["hf+comp_fwd_ms"] / r["mok_fwd_ms"] for r in rs], "o-", label=f"{name} fwd")
         ax1.plot(T, [r["hf+comp_fwd_bwd_ms"] / r["mok_fwd_bwd_ms"] for r in rs], "s--", label=f"{name} fwd+bwd")
+        ax1.plot(T, [r["hf+comp_fwd_ms"] / r["mok+comp_fwd_ms"] for r in rs], "^:", label=f"{name} fwd, compiled")
         ax2.plot(T, [r["floor_fwd_ms"] / r["mok_fwd_ms"] for r in rs], "o-", label=f"{name} fwd")
         ax2.plot(T, [r["floor_fwd_bwd_ms"] / r["mok_fwd_bwd_ms"] for r in rs], "s--", label=f"{name} fwd+bwd")
     for ax, title in ((ax1, "speedup of mok vs HF grouped_mm + torch.compile"), (ax2, "mok: fraction of floor")):

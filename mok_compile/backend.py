@@ -88,12 +88,26 @@ def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Back
         patches = opts.inductor_patches()
         if patches.get("triton.cudagraphs"):
             _state["used_cudagraphs"] = True
+        elif _has_fused_moe(gm):  # let its compiled backward write dh over the saved h (as eager does)
+            from torch._inductor import config as inductor_config
+
+            from mok_compile.passes.backward_consume import ConsumeSavedGateUp
+
+            user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+            patches["post_grad_custom_post_pass"] = ConsumeSavedGateUp(then=user_pass)
         return compile_fx(gm, example_inputs, config_patches=patches)
     if opts.compiler == "aot_eager":
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
     return gm.forward
+
+
+def _has_fused_moe(gm: torch.fx.GraphModule) -> bool:
+    """Whether `gm` calls mok.fused_moe: put there by the rewrite (the overload) or by the user (Dynamo records
+    the packet, `torch.ops.mok.fused_moe`)."""
+    op = torch.ops.mok.fused_moe
+    return any(node.target is op or node.target is op.default for node in gm.graph.nodes)
 
 
 _state = {"used_cudagraphs": False}

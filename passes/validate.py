@@ -66,10 +66,10 @@ def _hint(shape_env, expr):
 
 def _random(meta: torch.Tensor, std: float, gen: torch.Generator, subs=None) -> torch.Tensor:
     shape = [concrete(s, subs) for s in meta.shape]
-    # float32 draws (not float64): a Mixtral-8x7B layer's expert weights are 2.8 GB in bf16, 11 GB as float64.
-    dtype = torch.float64 if meta.dtype == torch.float64 else torch.float32
-    t = torch.randn(shape, generator=gen, dtype=dtype, device=gen.device) * std
-    return t.to(dtype=meta.dtype, device=meta.device)
+    # Drawn in the block's dtype and scaled in place: one copy of a weight at a time (a DeepSeek-V3 layer's
+    # gate_up weight is 15 GB in bf16; a float32 draw took 30 GB more, which a loaded GPU may not have).
+    t = torch.randn(shape, generator=gen, dtype=meta.dtype, device=gen.device).mul_(std)
+    return t.to(device=meta.device)
 
 
 def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict) -> dict:

@@ -64,13 +64,15 @@ def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, *
 
 
 def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, *rest, **kw):
-    """The backward over a saved h that is dead afterwards: the kernels write dh over it."""
+    """The backward over a saved h that is dead afterwards: the kernels write dh over it (with
+    `if_graph_freed`, only if this call's autograd graph task frees its graph; else they read it)."""
     *rest, gate_up_out = rest
     kw = with_defaults(kw)
+    overwrite = library.graph_is_freed() if kw.pop("if_graph_freed", False) else True
     if not _use_triton(hidden_states):
         return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
     return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw,
-                                         gate_up_out=gate_up_out, overwrite_gate_up_out=True)
+                                         gate_up_out=gate_up_out, overwrite_gate_up_out=overwrite)
 
 
 library.impl_backend_kernels("CUDA", {

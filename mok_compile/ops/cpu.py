@@ -143,5 +143,15 @@ def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, 
     return torch.ops.mok_cpu.fused_moe_backward(*args, **kw, gate_up_out=gate_up_out)
 
 
+def _fused_moe_backward_consume_cpu(*args, **kw):
+    """The backward over a saved h that is dead afterwards: the C++ kernel reads h and leaves it (nothing to
+    reuse its memory for on the CPU). Registered, rather than left to the composite kernel, so that the
+    eager backward calls it directly instead of through the dispatcher twice."""
+    *args, gate_up_out = args
+    kw.pop("if_graph_freed", None)
+    return _fused_moe_backward_cpu(*args, gate_up_out=gate_up_out, **kw)
+
+
 library.impl_backend_kernels("CPU", {"fused_moe": _fused_moe_cpu, "fused_moe_train": _fused_moe_train_cpu,
-                                     "fused_moe_backward": _fused_moe_backward_cpu})
+                                     "fused_moe_backward": _fused_moe_backward_cpu,
+                                     "fused_moe_backward_consume": _fused_moe_backward_consume_cpu})

@@ -64,10 +64,12 @@ FUSED_MOE_TRAIN_SCHEMA = (
 # The backward that consumes the saved h: it may write dh over it (same shape), so that it needs no second
 # [T*K, 2I] buffer, and release its memory once dh is read (the CUDA kernels resize its storage to 0;
 # gate_up_out must not be used afterwards). Autograd's eager backward calls it when the graph is freed
-# after this backward (h is dead).
+# after this backward (h is dead). `if_graph_freed`: decide that at run time instead, from the autograd graph
+# task running the call (the compiled backward, `passes.backward_consume`): without one, or under
+# retain_graph, h is only read.
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
-    f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}) "
+    f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False) "
     "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
 )
@@ -239,9 +241,16 @@ def _fused_moe_backward_consume_fake(grad_out, grad_topk_weights, hidden_states,
                                     gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids)
 
 
+def graph_is_freed() -> bool:
+    """Whether the autograd graph task running this call frees its graph afterwards (no retain_graph), so
+    that a saved tensor read only by this backward is dead after it. False outside a graph task."""
+    return not torch._C._autograd._get_current_graph_task_keep_graph()
+
+
 def _backward_keeping_gate_up_out(*args, **kw):
     """`fused_moe_backward_consume` where no kernel overwrites h (reference, C++): the plain backward."""
     *args, gate_up_out = args
+    kw.pop("if_graph_freed", None)
     return torch.ops.mok.fused_moe_backward(*args, **kw, gate_up_out=gate_up_out)
 
 
@@ -256,6 +265,10 @@ def _reference_forward(hidden_states, router, router_bias, selection_bias, gate_
 lib.impl("fused_moe", _reference_forward, "CompositeExplicitAutograd")
 lib.impl("fused_moe_backward", reference.fused_moe_backward_reference, "CompositeExplicitAutograd")
 lib.impl("fused_moe_backward_consume", _backward_keeping_gate_up_out, "CompositeExplicitAutograd")
+# Functionalized, the consuming backward is the plain one (h's contents afterwards are unspecified, so leaving
+# them is a valid result). Inductor lowers a mutating custom op that `passes.backward_consume` inserts only if
+# it is auto-functionalizable, which optional returns rule out, or has this kernel.
+lib.impl("fused_moe_backward_consume", _backward_keeping_gate_up_out, "Functionalize")
 
 # ----------------------------------------------------------------------------- autograd
 # Registered directly on the Autograd key (what `torch.library.register_autograd` does internally)
@@ -386,7 +399,7 @@ def _gate_up_out_is_dead(h) -> bool:
     """Whether the saved h may be overwritten by this backward: eager (a plain tensor, not traced by
     aot_autograd, whose graphs stay functional) and the graph freed after this backward (no retain_graph).
     Overwriting it with dh keeps the backward's peak memory at HF's: one [T*K, 2I] buffer, not two."""
-    return type(h) is torch.Tensor and not torch._C._autograd._get_current_graph_task_keep_graph()
+    return type(h) is torch.Tensor and graph_is_freed()
 
 
 def _call(op, keyset, args, kwargs):

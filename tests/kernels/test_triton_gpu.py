@@ -292,6 +292,14 @@ def test_backward_consume_writes_dh_over_h(variant):
     for a, b in zip(plain, consumed):
         assert (a is None and b is None) or torch.equal(a, b)
     assert h.untyped_storage().nbytes() == 0
+    # if_graph_freed (the compiled backward's call): outside an autograd graph task h is only read
+    out, w, ids, h = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    kept = h.clone()
+    read = torch.ops.mok.fused_moe_backward_consume(go, torch.ones_like(w), *tensors, w, ids, h, **kw,
+                                                    if_graph_freed=True)
+    assert torch.equal(h, kept)
+    for a, b in zip(plain, read):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 def test_cuda_graph_captures_the_autograd_step():
@@ -330,6 +338,53 @@ def test_compiled_autograd_matches_eager(variant):
         fn(*leaves).backward()
         results.append([t.grad for t in leaves if t is not None and t.requires_grad])
     for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_compiled_backward_consumes_h_unless_the_graph_is_retained():
+    """backend="mok" (inductor): the compiled backward calls `fused_moe_backward_consume(if_graph_freed=True)`
+    (passes.backward_consume), also for the op called directly. Its gradients match the eager ones, and under
+    retain_graph it leaves the saved h intact: a second backward over the same graph gives the same gradients."""
+    from torch._dynamo.utils import counters
+
+    from mok_compile.backend import mok_backend
+
+    tensors, kw = make_case("qwen3", T=257, H=128, I=64, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+
+    def loss_fn(*ts):
+        out, w, _ = torch.ops.mok.fused_moe(*ts, **kw)
+        return out.float().square().mean() + w.float().sum()
+
+    def grads(leaves):
+        return [t.grad.clone() for t in leaves if t is not None and t.requires_grad]
+
+    leaves = _leaves(tensors)
+    loss_fn(*leaves).backward()
+    want = grads(leaves)
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend=mok_backend, fullgraph=True)
+    before = counters["mok"]["backward_consume"]
+    leaves = _leaves(tensors)
+    # inductor's caches off: a cached backward would skip the post-grad pass that the counter counts
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled(*leaves).backward()
+    assert counters["mok"]["backward_consume"] == before + 1
+    for a, b in zip(grads(leaves), want):  # inductor may round the loss's gradient differently
+        assert rel_err(a, b) < 1e-2
+    # aot_autograd refuses retain_graph for a backward with donated buffers (its default); without them:
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        compiled = torch.compile(loss_fn, backend=mok_backend, fullgraph=True)
+        leaves = _leaves(tensors)
+        loss = compiled(*leaves)
+    loss.backward(retain_graph=True)
+    first = grads(leaves)
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    loss.backward()  # reads the saved h again: the first backward must have left it
+    for a, b in zip(grads(leaves), first):
         assert torch.equal(a, b)
 
 

@@ -319,6 +319,16 @@ def _spies(monkeypatch, calls):
         library.register_backend_kernel(op, "CPU", spy)
 
 
+def test_every_op_has_a_direct_cpu_kernel():
+    """Each mok op that `_FusedMoeFunction` calls has a CPU backend kernel, so CPU autograd never goes back
+    through the dispatcher (as the CUDA kernels do on a GPU)."""
+    from mok_compile.ops import library
+
+    cpu = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    for name in ("fused_moe", "fused_moe_train", "fused_moe_backward", "fused_moe_backward_consume"):
+        assert library._backend_kernel(getattr(torch.ops.mok, name).default, cpu) is not None, name
+
+
 def _forward_backward(args, kw):
     leaves = [a.detach().requires_grad_(a.is_floating_point()) if a is not None else None for a in args]
     out, w, _ = fused_moe(*leaves, **kw)

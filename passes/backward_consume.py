@@ -1,0 +1,87 @@
+"""Let the compiled backward write dh over the saved h, as the eager backward does (post-grad, inductor).
+
+    before:  h (saved by fused_moe_train; a placeholder of the backward graph, read by this node alone)
+               └──> fused_moe_backward(go, gw, x, ..., w, ids, gate_up_out=h) ──> grads
+    after:   h ──> fused_moe_backward_consume(go, gw, x, ..., w, ids, h, if_graph_freed=True) ──> grads
+
+aot_autograd keeps the functional `fused_moe_backward` in the backward graph (graphs stay functional), so a
+compiled backward holds h and a second [T*K, 2I] buffer for dh at once: one h more than the eager op's
+backward, which writes dh over h (`fused_moe_backward_consume`). Saved tensors reach the backward graph as
+its inputs, so this pass runs after aot_autograd (inductor's `post_grad_custom_post_pass`) where no
+functionalization undoes the mutation. Whether h is dead is only known at run time (a backward under
+retain_graph must leave it intact), so the op decides per call (`if_graph_freed`). Not installed under
+CUDA graphs (`mode="reduce-overhead"`): a graph that mutates its inputs is not captured.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+log = logging.getLogger("mok_compile.passes")
+
+
+def consume_saved_gate_up(graph: fx.Graph) -> int:
+    """Rewrite every `fused_moe_backward` whose `gate_up_out` is a graph input read by it alone; returns how many."""
+    backward = torch.ops.mok.fused_moe_backward.default
+    done = 0
+    for node in list(graph.nodes):
+        if node.target is not backward:
+            continue
+        h = node.kwargs.get("gate_up_out")
+        if not isinstance(h, fx.Node) or h.op != "placeholder" or len(h.users) != 1:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.mok.fused_moe_backward_consume.default,
+                                      *_consume_arguments(node.args, node.kwargs))
+        new.meta.update(node.meta)  # same outputs: meta["val"] stays valid
+        if "eager_input_vals" in node.meta:  # the call's fake inputs, which inductor matches to the schema
+            new.meta["eager_input_vals"] = _consume_arguments(*node.meta["eager_input_vals"])
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        done += 1
+    if done:
+        from torch._dynamo.utils import counters
+
+        counters["mok"]["backward_consume"] += done
+        log.info("mok: %d compiled backward(s) write dh over the saved h", done)
+    return done
+
+
+def _consume_arguments(args, kwargs) -> tuple[tuple, dict]:
+    """A `fused_moe_backward` call's (args, kwargs) as `fused_moe_backward_consume(..., if_graph_freed=True)`'s,
+    in schema order: positional arguments by position (a graph may pass some by keyword, and inductor's
+    fallback lowering expects them positional), keyword-only ones by name."""
+    backward = torch.ops.mok.fused_moe_backward.default
+    named = {**dict(zip((a.name for a in backward._schema.arguments), args)), **kwargs, "if_graph_freed": True}
+    new_args, new_kwargs = [], {}
+    for arg in torch.ops.mok.fused_moe_backward_consume.default._schema.arguments:
+        if arg.kwarg_only:
+            if arg.name in named:
+                new_kwargs[arg.name] = named[arg.name]
+        else:
+            new_args.append(named[arg.name] if arg.name in named else arg.default_value)
+    return tuple(new_args), new_kwargs
+
+
+class ConsumeSavedGateUp(CustomGraphPass):
+    """`consume_saved_gate_up` as inductor's post-grad custom pass, then the user's own pass if they set one."""
+
+    def __init__(self, then=None):
+        self.then = then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        consume_saved_gate_up(graph)
+        if self.then is not None:
+            self.then(graph)
+
+    def uuid(self):
+        """Inductor's FX graph cache key: this file, and the user's pass's key (None, which makes inductor
+        skip its cache, where the user's pass has none)."""
+        if self.then is None:
+            return get_hash_for_files((__file__,))
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+        return (get_hash_for_files((__file__,)), then) if then else None
