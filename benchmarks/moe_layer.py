@@ -29,6 +29,7 @@ from torch._dynamo.utils import counters
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from mok_compile import hf_blocks
+from mok_compile.backend import mok_backend
 from mok_compile.hf_blocks import BlockSizes
 
 # name -> (HF model type, sizes, config overrides, token counts)
@@ -100,8 +101,6 @@ def make_runners(family, block):
 
     def hf(x):
         return _first(block(x))
-
-    from mok_compile.backend import mok_backend
 
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
         return _first(block(x))

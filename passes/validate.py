@@ -68,8 +68,7 @@ def _random(meta: torch.Tensor, std: float, gen: torch.Generator, subs=None) -> 
     shape = [concrete(s, subs) for s in meta.shape]
     # Drawn in the block's dtype and scaled in place: one copy of a weight at a time (a DeepSeek-V3 layer's
     # gate_up weight is 15 GB in bf16; a float32 draw took 30 GB more, which a loaded GPU may not have).
-    t = torch.randn(shape, generator=gen, dtype=meta.dtype, device=gen.device).mul_(std)
-    return t.to(device=meta.device)
+    return torch.randn(shape, generator=gen, dtype=meta.dtype, device=gen.device).mul_(std)
 
 
 def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict) -> dict:
