@@ -5,20 +5,20 @@
 At a few tokens the GPU work is microseconds, so a loop of calls without synchronisation runs at
 the speed of the host: the time per call is the Python + launch cost. Measured for the forward op,
 the backward op and autograd forward+backward (each also with Triton's own launch path,
-MOK_FAST_LAUNCH=0, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch
+`launch.fast_launch = False`, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch
 calls for scale (Qwen3-30B-A3B layer shape, bf16).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from benchmarks.moe_layer import SHAPES
+from mok_compile.kernels import launch
 from mok_compile.kernels.launch import launcher
 from tests.kernels.cases import make_case
 
@@ -103,17 +103,17 @@ def main():
     }
     ops = list(rows)[:3]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, T={args.tokens}")
-    print("| call | host us per call | with MOK_FAST_LAUNCH=0 |\n|---|---|---|")
+    print("| call | host us per call | with Triton's launch |\n|---|---|---|")
     host_us = {}
     for name, fn in rows.items():
         host_us[name] = per_call_us(fn)
         slow = ""
         if name in ops:  # the same call through Triton's own launch path
-            os.environ["MOK_FAST_LAUNCH"] = "0"
+            launch.fast_launch = False
             try:
                 slow = f"{per_call_us(fn):.1f}"
             finally:
-                del os.environ["MOK_FAST_LAUNCH"]
+                launch.fast_launch = True
         print(f"| {name} | {host_us[name]:.1f} | {slow} |", flush=True)
     for name in ops[:2]:
         per_kernel = launch_times(rows[name], reps=200 if args.launch_times else 1)

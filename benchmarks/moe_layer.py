@@ -1,6 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
     python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss,llama4] [--tokens 256,4096]
+        [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
   hf        transformers' block, experts_implementation="grouped_mm" (its default), eager
@@ -89,8 +90,9 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def make_runners(family, block):
-    """Callables x -> out for hf, hf+comp and mok (same weights)."""
+def make_runners(family, block, mode=None):
+    """Callables x -> out for hf, hf+comp, mok and mok+comp (same weights); `mode`: torch.compile's, for
+    both compiled runners (e.g. "reduce-overhead": CUDA graphs on both sides)."""
     tensors, kw = hf_blocks.op_arguments(family, block)
     shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
 
@@ -105,10 +107,10 @@ def make_runners(family, block):
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
         return _first(block(x))
 
-    compiled = torch.compile(hf, dynamic=False)
+    compiled = torch.compile(hf, dynamic=False, mode=mode)
     return {"hf": hf, "hf+comp": compiled, "mok": mok,
             # the backend as a callable: the checkout need not be pip-installed (entry point) on the GPU machine
-            "mok+comp": torch.compile(hf_for_mok, backend=mok_backend, dynamic=False)}
+            "mok+comp": torch.compile(hf_for_mok, backend=mok_backend, dynamic=False, mode=mode)}
 
 
 def graphed(step):
@@ -189,13 +191,13 @@ def peak_bytes(step) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def run_shape(name, tokens, ceilings, log, do_profile=False):
+def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None):
     family, sizes, overrides, default_tokens = SHAPES[name]
     torch._dynamo.reset()  # each shape compiles afresh; without this, Dynamo's recompile limit is hit and
     # the "compiled" baseline silently runs eager
     H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
     block = build_block(family, sizes, overrides)
-    runners = make_runners(family, block)
+    runners = make_runners(family, block, mode)
     params = [p for p in block.parameters() if p.requires_grad]
     rows = []
     for T in tokens or default_tokens:
@@ -300,6 +302,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="", help="comma-separated T values (default: per shape)")
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of mok fwd+bwd")
+    ap.add_argument("--mode", default=None, help='torch.compile mode of both compiled columns, e.g. "reduce-overhead" '
+                    "(CUDA graphs: at few tokens the eager columns time the host, not the GPU)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "moe_layer.log"), "a")
@@ -313,13 +317,13 @@ def main():
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     ceilings = measure_ceilings()
-    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {ceilings}")
+    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {ceilings}; compile mode {args.mode}")
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rows = []
     for name in args.shapes.split(","):
-        rows += run_shape(name, tokens, ceilings, log, args.profile)
+        rows += run_shape(name, tokens, ceilings, log, args.profile, args.mode)
         with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
+            json.dump({"ceilings": ceilings, "compile_mode": args.mode, "rows": rows}, f, indent=1)
     plot(rows, os.path.join(args.out, "speedup.png"))
     log(table(rows, ceilings))
 

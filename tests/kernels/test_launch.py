@@ -3,6 +3,7 @@ launch takes the direct path and when it goes through Triton. A stand-in for the
 what each launch did; the GPU tests (test_triton_gpu.py) compare the real launches with Triton's."""
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -54,8 +55,7 @@ def cuda_stand_ins(monkeypatch):
     """The two torch.cuda calls of the direct path, on a machine that may have no CUDA build."""
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv("MOK_FAST_LAUNCH", raising=False)
+    monkeypatch.setattr(launch, "fast_launch", True)
 
 
 def test_bind_orders_arguments_as_the_signature_with_defaults():
@@ -117,9 +117,17 @@ def _noop(*args, **kwargs):
     pass
 
 
-@pytest.mark.parametrize("why", ["MOK_FAST_LAUNCH=0", "TRITON_INTERPRET=1", "launch hook", "pre-run hook"])
+class _InterpretedStandIn(_JitStandIn):
+    """What @triton.jit gives under TRITON_INTERPRET=1: a kernel without `params`."""
+
+    def __init__(self, signature_of):
+        super().__init__(signature_of)
+        del self.params
+
+
+@pytest.mark.parametrize("why", ["fast_launch off", "interpreter", "launch hook", "pre-run hook"])
 def test_falls_back_to_tritons_launch(why, cuda_stand_ins, monkeypatch, request):
-    fn = _JitStandIn(_kernel)
+    fn = (_InterpretedStandIn if why == "interpreter" else _JitStandIn)(_kernel)
     if why == "launch hook":  # a profiler's (proton): Triton 3.6 keeps them in a HookChain
         hooks = launch.knobs.runtime.launch_enter_hook
         if hasattr(hooks, "add"):
@@ -129,12 +137,44 @@ def test_falls_back_to_tritons_launch(why, cuda_stand_ins, monkeypatch, request)
             monkeypatch.setattr(launch.knobs.runtime, "launch_enter_hook", _noop)
     elif why == "pre-run hook":
         fn.pre_run_hooks = [lambda *a, **k: None]
-    else:
-        monkeypatch.setenv(*why.split("="))
+    elif why == "fast_launch off":
+        monkeypatch.setattr(launch, "fast_launch", False)
     launcher = Launcher(fn)
     for _ in range(3):
         launcher[(1,)](torch.zeros(4), torch.zeros(4), 1, 1.0)
     assert [entry[0] for entry in fn.log] == ["triton"] * 3
+
+
+def test_the_environment_switches_the_fast_path_off_at_import():
+    import subprocess
+    import sys
+
+    code = "from mok_compile.kernels import launch; print(launch.fast_launch)"
+    for env_value, printed in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "MOK_FAST_LAUNCH": env_value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == printed
+
+
+def test_launcher_is_one_per_kernel():
+    fn, other = _JitStandIn(_kernel), _JitStandIn(_kernel)
+    assert launch.launcher(fn) is launch.launcher(fn)
+    assert launch.launcher(other) is not launch.launcher(fn)
+
+
+def test_keyword_order_and_defaults_are_bound_like_triton(cuda_stand_ins):
+    """The same arguments by keyword in another order launch the same values; a keyword left at its
+    default and the same default given explicitly differ in the key only (both launch the same values)."""
+    fn = _JitStandIn(_kernel)
+    launcher = Launcher(fn)
+    a, b = torch.zeros(32), torch.zeros(32)
+    for _ in range(2):
+        launcher[(1,)](a, b, n=7, alpha=0.5, BLOCK=32)
+        launcher[(1,)](a, b, alpha=0.5, n=7, BLOCK=32)
+        launcher[(1,)](a, b, 7, 0.5, FLAG=False, BLOCK=32)
+    direct = [entry[3] for entry in fn.log if entry[0] == "direct"]
+    assert [entry[0] for entry in fn.log] == ["triton"] * 3 + ["direct"] * 3
+    assert direct == [(a, b, 7, 0.5, False, 32, None)] * 3
 
 
 def test_errors_come_from_tritons_launch_and_are_not_recorded(cuda_stand_ins):

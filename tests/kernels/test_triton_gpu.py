@@ -436,14 +436,16 @@ def _fwd_bwd_results(tensors, kw):
 @pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3", "llama4"])
 def test_fast_launch_matches_tritons_launch(variant, monkeypatch):
     """mok's direct launches (`launch.Launcher`, the default) give bitwise what Triton's own launch path
-    gives (MOK_FAST_LAUNCH=0), and after the first call no launch goes through Triton's path."""
+    gives (`launch.fast_launch = False`), and after the first call no launch goes through Triton's path."""
     from triton.runtime.jit import JITFunction
+
+    from mok_compile.kernels import launch
 
     K = 1 if variant == "llama4" else 4
     tensors, kw = make_case(variant, T=700, H=256, I=128, E=16, K=K, dtype=torch.bfloat16, device=DEV)
-    monkeypatch.setenv("MOK_FAST_LAUNCH", "0")
+    monkeypatch.setattr(launch, "fast_launch", False)
     slow = _fwd_bwd_results(tensors, kw)
-    monkeypatch.delenv("MOK_FAST_LAUNCH")
+    monkeypatch.setattr(launch, "fast_launch", True)
     _fwd_bwd_results(tensors, kw)  # each launch's first call with its key goes through Triton
     calls, run = [], JITFunction.run
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: calls.append(self.fn.__name__) or run(self, *a, **k))
@@ -459,6 +461,8 @@ def test_fast_launch_relaunches_through_triton_for_a_misaligned_input(engine, mo
     gives what Triton's launch gives."""
     from triton.runtime.jit import JITFunction
 
+    from mok_compile.kernels import launch
+
     if engine != "triton":
         pytest.skip("the CUTLASS engines need aligned rows")
     tensors, kw = make_case("qwen3", T=300, H=256, I=128, E=16, K=4, dtype=torch.bfloat16, device=DEV)
@@ -467,9 +471,9 @@ def test_fast_launch_relaunches_through_triton_for_a_misaligned_input(engine, mo
     misaligned = buf[1:].view_as(x)
     misaligned.copy_(x)
     assert misaligned.data_ptr() % 16 != 0
-    monkeypatch.setenv("MOK_FAST_LAUNCH", "0")
+    monkeypatch.setattr(launch, "fast_launch", False)
     slow = [_fwd_bwd_results((xx, *tensors[1:]), kw) for xx in (x, misaligned)]
-    monkeypatch.delenv("MOK_FAST_LAUNCH")
+    monkeypatch.setattr(launch, "fast_launch", True)
     _fwd_bwd_results(tensors, kw)
     calls, run = [], JITFunction.run
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: calls.append(self.fn.__name__) or run(self, *a, **k))
