@@ -385,9 +385,10 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         # In the router's own dtype (bf16 for most models, as HF's autograd does it; fp32 for DeepSeek's
         # fp32 router): fp32 operands here would run cuBLAS's SIMT fp32 path, slower than the rest.
         rdt = router.dtype
-        d_router = (dl.to(rdt).t() @ x.to(rdt)).to(rdt)
+        dl_r = dl.to(rdt)  # one cast for both GEMMs
+        d_router = dl_r.t() @ x.to(rdt)
         d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
-        dx_router = dl.to(rdt) @ router
+        dx_router = dl_r @ router
     # Weight on input: dx[t] = sum_k w[t,k] * dxs[pos(t,k)] in fp32 (the product not rounded).
     d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
                   round_product=False if woi else None)
