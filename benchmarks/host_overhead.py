@@ -19,7 +19,6 @@ import torch
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from benchmarks.moe_layer import SHAPES
 from mok_compile.kernels import launch
-from mok_compile.kernels.launch import launcher
 from tests.kernels.cases import make_case
 
 
@@ -45,8 +44,7 @@ def launch_times(fn, reps=200) -> dict:
     """{kernel name: (host us per call of fn spent launching it, launches per call)}: the time inside
     `Launcher.run` (mok's launch path: Triton's own launch the first time per argument key, then the
     direct one)."""
-    from mok_compile.kernels.launch import Launcher
-
+    Launcher = launch.Launcher
     spent, run = {}, Launcher.run
 
     def timed(self, *a, **k):
@@ -96,7 +94,7 @@ def main():
         "autograd fwd+bwd (loss = out.sum())": lambda: torch.ops.mok.fused_moe(*leaves, **kw)[0].sum().backward(),
         "one launch, Triton's (_scan_kernel, 9 args)": lambda: dispatch._scan_kernel[(1,)](
             *scan_args, BLOCK_C=64, BLOCK_E=128),
-        "one launch, mok's Launcher (the same)": lambda: launcher(dispatch._scan_kernel)[(1,)](
+        "one launch, mok's Launcher (the same)": lambda: launch.launcher(dispatch._scan_kernel)[(1,)](
             *scan_args, BLOCK_C=64, BLOCK_E=128),
         "torch.empty": lambda: torch.empty((16, 2048), device="cuda", dtype=torch.bfloat16),
         "a @ b.t() (cuBLAS)": lambda: a @ b.t(),

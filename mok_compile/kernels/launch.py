@@ -96,12 +96,6 @@ class Launcher:
                 values[i] = value
         return values
 
-    def bind(self, args, kwargs) -> tuple[list, tuple]:
-        """(every parameter's value in the kernel's order, defaults filled in; the compile options among
-        the keyword arguments (num_warps, num_stages, ...) as sorted pairs)."""
-        options = sorted((name, value) for name, value in kwargs.items() if name not in self._names)
-        return self._values(args, tuple(kwargs), kwargs), tuple(options)
-
 
 _MISSING = object()
 _PLAIN = frozenset((int, float, bool, str, type(None)))
