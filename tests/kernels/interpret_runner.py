@@ -67,6 +67,10 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
         saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **kw)
         res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
         res["h_unchanged"] = bool(torch.equal(h, moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3]))
+        # The consuming backward (`mok::fused_moe_backward_consume`: dh written over h) gives the same bits.
+        consumed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h.clone(), overwrite_gate_up_out=True,
+                                          **kw)
+        res["consume_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved))
     if ab_env is not None:
         res["tiles"] = dict(TILES)
         TILES.clear()
