@@ -1,0 +1,27 @@
+"""The GPU layer benchmark's table, from a made-up row (the benchmark itself needs a GPU)."""
+
+from benchmarks.moe_layer import table
+
+
+def _row():
+    row = {"shape": "qwen3", "T": 4096, "mok_vs_hf_rel_err": 3.6e-5, "mok_graph_fwd_ms": 0.8,
+           "mok_graph_fwd_bwd_ms": 2.8}
+    times = {"fwd": (2.0, 1.2, 0.8, 0.75, 0.4), "fwd_bwd": (5.5, 3.4, 2.9, 2.85, 1.25)}
+    for phase, (hf, comp, mok, mok_comp, floor) in times.items():
+        row.update({f"hf_{phase}_ms": hf, f"hf+comp_{phase}_ms": comp, f"mok_{phase}_ms": mok,
+                    f"mok+comp_{phase}_ms": mok_comp, f"floor_{phase}_ms": floor})
+    for which in ("hf", "hf+comp", "mok", "mok+comp"):
+        row[f"{which}_fwd_bwd_peak_gb"] = 0.25
+    return row
+
+
+def test_table_gives_each_speedup_and_the_most_a_kernel_at_the_floor_could_give():
+    lines = table([_row()], {"matmul_tflops": 736.0, "copy_tbps": 4.26}).splitlines()
+    header = [c.strip() for c in lines[1].strip("|").split("|")]
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert len(lines[2].strip("|").split("|")) == len(header) == len(cells)
+    assert header[2:10] == ["hf fwd", "hf+comp fwd", "mok fwd", "x", "mok+comp fwd", "x", "floor/mok", "x at floor"]
+    # x = 1.2 / 0.8 and 1.2 / 0.75; floor/mok = 0.4 / 0.8; x at floor = 1.2 / 0.4
+    assert cells[2:10] == ["2.000", "1.200", "0.800", "1.50", "0.750", "1.60", "0.50", "3.00"]
+    assert header[10:18] == ["hf f+b", "hf+comp f+b", "mok f+b", "x", "mok+comp f+b", "x", "floor/mok", "x at floor"]
+    assert cells[10:18] == ["5.500", "3.400", "2.900", "1.17", "2.850", "1.19", "0.43", "2.72"]
