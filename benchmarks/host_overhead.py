@@ -107,11 +107,11 @@ def main():
         host_us[name] = per_call_us(fn)
         slow = ""
         if name in ops:  # the same call through Triton's own launch path
-            launch.fast_launch = False
+            fast, launch.fast_launch = launch.fast_launch, False
             try:
                 slow = f"{per_call_us(fn):.1f}"
             finally:
-                launch.fast_launch = True
+                launch.fast_launch = fast  # as it was (MOK_FAST_LAUNCH=0 keeps it off)
         print(f"| {name} | {host_us[name]:.1f} | {slow} |", flush=True)
     for name in ops[:2]:
         per_kernel = launch_times(rows[name], reps=200 if args.launch_times else 1)

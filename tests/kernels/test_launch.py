@@ -58,7 +58,7 @@ def cuda_stand_ins(monkeypatch):
     monkeypatch.setattr(launch, "fast_launch", True)
 
 
-def test_bind_orders_arguments_as_the_signature_with_defaults():
+def test_values_are_ordered_as_the_signature_with_defaults():
     from mok_compile.kernels.grouped_gemm import _grouped_gemm_kernel
 
     if not hasattr(_grouped_gemm_kernel, "params"):
