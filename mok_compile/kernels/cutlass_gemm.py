@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, launcher
+from .launch import cdiv, launcher, next_power_of_2
 
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -51,14 +51,45 @@ def eligible(x, gate_up_proj, down_proj, I) -> bool:
             and _aligned(gate_up_proj) and _aligned(down_proj))
 
 
+_SPREAD_ROWS = 4  # x rows per program of the spread (each written K times)
+
+
+@triton.jit
+def _spread_rows_kernel(x_ptr, pair_pos_ptr, scale_ptr, out_ptr, T, H, stride_x, stride_out, K: tl.constexpr,
+                        SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[pair_pos[t * K + k]] = x[t] (SCALE: (x[t] * scale[t * K + k]).to(out dtype), rounded once from
+    fp32) for every slot k: each x row is read once and written K times."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rmask = rows < T
+    m = rmask[:, None] & (cols < H)[None, :]
+    v = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+    for k in tl.static_range(K):
+        pos = tl.load(pair_pos_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
+        vk = v
+        if SCALE:
+            s = tl.load(scale_ptr + rows * K + k, mask=rmask, other=0.0).to(tl.float32)
+            vk = (v.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pos[:, None] * stride_out + cols[None, :], vk, mask=m)
+
 
 def gather_rows(x, disp, scale=None):
     """x[token of each sorted pair]: the A operand of a gathered GEMM, in expert-sorted order.
-    `scale` [T*K] (weight on input): rows (x[t] * scale[pair]).to(x.dtype), the experts' input."""
-    rows = x.index_select(0, disp.sorted_token())
-    if scale is None:
-        return rows
-    return (rows.float() * scale.index_select(0, disp.sorted_pair).float()[:, None]).to(x.dtype)
+    `scale` [T*K] (weight on input): rows (x[t] * scale[pair]).to(x.dtype), the experts' input.
+
+    Written by spreading each x row to its K sorted positions rather than gathering (`index_select` on
+    the sorted tokens): a row is then read once. Gathering reads each row K times in expert order, which
+    at large T (x past L2) is K reads from DRAM: Qwen3 T=16384 took 0.267 ms per gather."""
+    T, H = x.shape
+    out = torch.empty((disp.num_pairs, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    assert x.stride(1) == 1 and disp.num_pairs == T * disp.top_k
+    block_h = min(512, next_power_of_2(H))
+    launcher(_spread_rows_kernel)[(cdiv(T, _SPREAD_ROWS), cdiv(H, block_h))](
+        x, disp.pair_pos, scale if scale is not None else x, out, T, H, x.stride(0), out.stride(0), K=disp.top_k,
+        SCALE=scale is not None, BLOCK_T=_SPREAD_ROWS, BLOCK_H=block_h, num_warps=4)
+    return out
 
 
 def grouped_mm(a, w_kn, disp):

@@ -108,13 +108,6 @@ class Dispatch:
             launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair,
                                                    self.pair_pos, T, num_experts, K=K, BLOCK_T=block_t,
                                                    BLOCK_E=block_e)
-        self._sorted_token = None
-
-    def sorted_token(self):
-        """Token of each sorted row (int32), for gathers done outside a kernel (computed once)."""
-        if self._sorted_token is None:
-            self._sorted_token = torch.div(self.sorted_pair, self.top_k, rounding_mode="floor")
-        return self._sorted_token
 
 
 @triton.jit
