@@ -2,16 +2,11 @@
 against the gather it replaces, `index_select` on the sorted tokens, bit for bit. Run under TRITON_INTERPRET=1
 in a subprocess (the variable must be set before Triton is imported)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytest.importorskip("triton")
+from tests.kernels.interpreted import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytest.importorskip("triton")
 
 _SCRIPT = r"""
 import json
@@ -44,11 +39,7 @@ print(json.dumps(res))
 
 
 def test_spread_equals_index_select_bitwise():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    results = run_interpreted(_SCRIPT)
     assert len(results) == 5
     for r in results:
         T, H, E, K, dtype, _ = r["case"]

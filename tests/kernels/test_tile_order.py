@@ -2,16 +2,11 @@
 blocks at a time, for grids whose row blocks are not a multiple of GROUP_M. Run under TRITON_INTERPRET=1 in a
 subprocess (the variable must be set before Triton is imported)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-pytest.importorskip("triton")
+from tests.kernels.interpreted import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytest.importorskip("triton")
 
 _SCRIPT = r"""
 import json
@@ -38,11 +33,7 @@ print(json.dumps(res))
 
 
 def test_every_tile_once_in_groups_of_row_blocks():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for case in json.loads(proc.stdout.splitlines()[-1]):
+    for case in run_interpreted(_SCRIPT):
         num_m, num_n, group, tiles = case["num_m"], case["num_n"], case["group"], case["tiles"]
         assert sorted(map(tuple, tiles)) == [(m, n) for m in range(num_m) for n in range(num_n)], case
         for pid, (m, n) in enumerate(tiles):
