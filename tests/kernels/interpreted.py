@@ -1,4 +1,5 @@
-"""Run a Python snippet under Triton's CPU interpreter, for tests of single kernels in CI (no GPU there)."""
+"""Run Python under Triton's CPU interpreter, for kernel tests in CI (no GPU there). A fresh process: the
+variable must be set before Triton and the kernel modules are first imported."""
 
 import json
 import os
@@ -8,11 +9,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_interpreted(script: str, timeout: float = 300):
-    """`script` in a fresh Python with TRITON_INTERPRET=1 (it must be set before Triton is first imported),
-    from the repository root; the JSON value on the last line it prints."""
+def interpreted_stdout(argv: list, timeout: float = 300) -> str:
+    """stdout of `python *argv` run from the repository root with TRITON_INTERPRET=1 (asserts it succeeded)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    return proc.stdout
+
+
+def run_interpreted(script: str, timeout: float = 300):
+    """The JSON value on the last line that `script` prints, run interpreted."""
+    return json.loads(interpreted_stdout(["-c", script], timeout).splitlines()[-1])

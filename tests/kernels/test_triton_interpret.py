@@ -5,24 +5,18 @@ that the variable is set before Triton and the kernel modules are first imported
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-pytest.importorskip("triton")
+from tests.kernels.interpreted import interpreted_stdout
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.interpret_runner"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    stdout = interpreted_stdout(["-m", "tests.kernels.interpret_runner"], timeout=600)
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def test_every_case_ran(interpreter_results):
@@ -98,4 +92,3 @@ def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
         assert res["saved_out_equal"] and res["h_unchanged"] and res["consume_equal"], res
         for name, err in res["grad_err_saved"].items():
             assert err < tol, (name, res)
-
