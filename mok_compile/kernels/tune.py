@@ -1,6 +1,6 @@
 """Pick block sizes for the grouped kernels by timing candidates; writes the `configs.json` format.
 
-    python -m mok_compile.kernels.tune --out DIR [--jobs 8] [--kernels gate_up,down] [--buckets m256]
+    python -m mok_compile.kernels.tune --out DIR [--jobs 16] [--kernels gate_up,down] [--buckets m256]
 
 Times each kernel (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad) alone, on the routing of real
 layer sizes, for a few candidate configs per row-count bucket, and keeps the fastest. Candidates are
@@ -154,16 +154,18 @@ def _jobs(kernels=KERNELS, buckets=None):
             yield shape, b, kernel
 
 
-def _compile_worker(shape, kernels=KERNELS):
-    """Run every candidate once at `shape` (fills Triton's cache); failures are timed out later."""
+def _compile_worker(shape_part, kernels=KERNELS, parts=1):
+    """Run every `parts`-th candidate at `shape`, from the `part`-th on, once (fills Triton's cache);
+    failures are timed out later."""
+    shape, part = shape_part
     p = _Problem(*shape)
     b = _bucket_of(shape)
-    for kernel in kernels:
-        for cfg in candidates(kernel, b):
-            try:
-                p.launch(kernel, cfg)
-            except Exception:
-                pass
+    todo = [(kernel, cfg) for kernel in kernels for cfg in candidates(kernel, b)]
+    for kernel, cfg in todo[part::parts]:
+        try:
+            p.launch(kernel, cfg)
+        except Exception:
+            pass
     torch.cuda.synchronize()
     return shape
 
@@ -189,8 +191,12 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     ctx = torch.multiprocessing.get_context("spawn")
     shapes = sorted({shape for shape, _, _ in jobs}, key=TUNE_SHAPES.index)
+    # Several workers per shape, each compiling a share of its candidates: one worker per shape left
+    # most of the GPU host's cores idle while a shape's ~15 candidates compiled one after another.
+    parts = max(1, args.jobs // len(shapes))
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        list(pool.map(functools.partial(_compile_worker, kernels=kernels), shapes))
+        list(pool.map(functools.partial(_compile_worker, kernels=kernels, parts=parts),
+                      [(shape, part) for shape in shapes for part in range(parts)]))
     results, best = [], {}
     problems = {}
     for shape, b, kernel in jobs:
