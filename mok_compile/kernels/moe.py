@@ -1,7 +1,8 @@
 """Forward and backward of `mok::fused_moe` on the GPU: the stages launched in order.
 
 Forward (6 Triton launches + the router GEMM; no host synchronisation):
-    logits   = x @ Wr^T (+ b)                          cuBLAS, as the HF router computes it
+    logits   = x @ Wr^T (+ b)                          cuBLAS, as the HF router computes it (an fp32 router's:
+                                                        router_gemm.py, fp32-accurate on the tensor cores)
     route    -> topk_weights, topk_ids, chunk counts    routing.py
     scan, scatter -> expert-sorted pairs                dispatch.py
     gate_up  act[r] = act(x[tok(r)] @ W1[e])            grouped_gemm.py (gather in A loads, act in epilogue)
@@ -21,7 +22,8 @@ K * (4 + 8) bytes per token, and h, K * 2I elements per token, from `mok::fused_
     wgrad x2    dW2[e] = sum_r go[r]^T (w act)[r];  dW1[e] = sum_r dh[r]^T x[r]  (+ bias grads)
     dgrad       dxp[r] = dh[r] @ W1[e]
     route_bwd   d(logits) from d(weights)
-    dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype), combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
+    dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype; an fp32 router's on the tensor cores, router_gemm.py),
+    combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
 
 GEMM engines (`configs.engine`, per stage, by mean rows per expert): the Triton kernels above, or
 PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`; bf16 on Hopper) where it is faster. A CUTLASS
@@ -48,7 +50,7 @@ import torch
 
 from ..ops import reference
 from ..ops.spec import with_defaults
-from . import activation_pass, configs, cutlass_gemm
+from . import activation_pass, configs, cutlass_gemm, router_gemm
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -206,6 +208,8 @@ def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_p
 
 
 def _logits(x, router, router_bias, kw):
+    if kw["router_fp32"] and not kw["router_is_logits"] and router_gemm.enabled(x, router):
+        return router_gemm.matmul(x, router.t(), router_bias)  # x.float() @ W^T without cuBLAS's SIMT path
     return reference.router_logits(x, router, router_bias, router_is_logits=kw["router_is_logits"],
                                    router_fp32=kw["router_fp32"])
 
@@ -384,11 +388,15 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     else:
         # In the router's own dtype (bf16 for most models, as HF's autograd does it; fp32 for DeepSeek's
         # fp32 router): fp32 operands here would run cuBLAS's SIMT fp32 path, slower than the rest.
-        rdt = router.dtype
-        dl_r = dl.to(rdt)  # one cast for both GEMMs
-        d_router = dl_r.t() @ x.to(rdt)
         d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
-        dx_router = dl_r @ router
+        if router_gemm.enabled(x, router):  # an fp32 router: its GEMMs on the tensor cores, fp32-accurate
+            d_router = router_gemm.matmul(dl.t(), x)
+            dx_router = router_gemm.matmul(dl, router)
+        else:
+            rdt = router.dtype
+            dl_r = dl.to(rdt)  # one cast for both GEMMs
+            d_router = dl_r.t() @ x.to(rdt)
+            dx_router = dl_r @ router
     # Weight on input: dx[t] = sum_k w[t,k] * dxs[pos(t,k)] in fp32 (the product not rounded).
     d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
                   round_product=False if woi else None)

@@ -1,0 +1,110 @@
+"""`router_gemm.matmul` (fp32 operands as three bf16 pieces on the tensor cores) against float64, next to the
+fp32 GEMM it replaces: it must be as accurate. On the CPU under TRITON_INTERPRET=1 (in a subprocess: the variable
+must be set before Triton is imported) and on the GPU at DeepSeek-V3's router sizes."""
+
+import pytest
+
+from tests.kernels.interpreted import run_interpreted
+
+pytest.importorskip("triton")
+
+# (M, K, N, a dtype, b dtype, bias, a transposed): the three uses (x @ W^T, dl^T @ x, dl @ W), an fp16 operand,
+# sizes that are not multiples of the blocks, strided operands, and empty ones.
+_CASES = r"""
+import torch
+bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+CASES = [(37, 70, 45, bf16, f32, True, False), (45, 37, 70, f32, bf16, False, True),
+         (37, 45, 70, f32, f32, False, False), (21, 33, 19, f16, f32, True, False), (1, 16, 8, bf16, f32, False, False),
+         (0, 16, 8, bf16, f32, True, False), (9, 0, 8, f32, f32, False, False)]
+"""
+
+_COMPARE = r"""
+import json
+import torch
+from mok_compile.kernels import router_gemm
+
+def rel(a, ref):
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+def compare(M, K, N, da, db, with_bias, a_transposed, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn((K, M) if a_transposed else (M, K), generator=g, device=device).to(da)
+    a = a.t() if a_transposed else a
+    b = (torch.randn(N, K, generator=g, device=device) * max(K, 1) ** -0.5).to(db).t()  # [K, N] view, as W^T
+    bias = torch.randn(N, generator=g, device=device) if with_bias else None
+    ref = a.double() @ b.double() + (bias.double() if with_bias else 0)
+    got = router_gemm.matmul(a, b, bias)
+    fp32 = a.float() @ b.float() + (bias if with_bias else 0)
+    return dict(case=[M, K, N, str(da), str(db)], shape=list(got.shape), dtype=str(got.dtype),
+                err=rel(got, ref) if ref.numel() and ref.norm() > 0 else 0.0,
+                fp32_err=rel(fp32, ref) if ref.numel() and ref.norm() > 0 else 0.0,
+                zero=bool(ref.numel() == 0 or got.abs().sum() == 0),
+                again=bool(torch.equal(got, router_gemm.matmul(a, b, bias))))
+"""
+
+
+def _check(results, slack):
+    for r in results:
+        M, K, N = r["case"][:3]
+        assert r["shape"] == [M, N] and r["dtype"] == "torch.float32", r
+        assert r["again"], r  # bitwise the same on a second call
+        if M and N and K:
+            # An fp32-accurate GEMM: dropping even the 2^-16 products (mid * mid) would show as ~1e-5 here.
+            assert r["err"] <= slack * r["fp32_err"] + 1e-8, r
+        elif M and N:
+            assert r["zero"], r  # K = 0: the bias alone, zero here
+
+
+def test_split_pieces_match_an_fp32_gemm_interpreted():
+    results = run_interpreted(_CASES + _COMPARE + "print(json.dumps([compare(*c) for c in CASES]))")
+    assert len(results) == 7
+    _check(results, slack=1.5)
+
+
+def test_router_gemm_switch(monkeypatch):
+    import torch
+
+    from mok_compile.kernels import router_gemm
+
+    x, w = torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(3, 4)
+    assert not router_gemm.enabled(x, w)  # a CPU tensor outside the interpreter: the C++ kernels' business
+    assert not router_gemm.enabled(x.float(), w) and not router_gemm.enabled(x, w.bfloat16())
+    if torch.cuda.is_available():
+        assert router_gemm.enabled(x.cuda(), w.cuda()) == (torch.cuda.get_device_capability()[0] >= 8)
+        monkeypatch.setenv("MOK_ROUTER_GEMM", "0")
+        assert not router_gemm.enabled(x.cuda(), w.cuda())
+
+
+@pytest.mark.parametrize("blocks", [(64, 128, 32, 4, 3), (128, 128, 32, 8, 3)])
+def test_compiles_to_wgmma_for_hopper(blocks):
+    """On the CPU, for sm_90 (the GPU run is where a compile error would show otherwise): bf16 tensor-core
+    dots, 3 per K step with one fp32 operand and 6 with two."""
+    from mok_compile.kernels.router_gemm import _split_mm_kernel as fn
+    from tests.kernels.test_b_tile_loads import _sm90
+
+    bm, bn, bk, warps, stages = blocks
+    counts = {}
+    for a_split, b_split in [(False, True), (True, False), (True, True)]:
+        types = dict(a_ptr="*fp32" if a_split else "*bf16", b_ptr="*fp32" if b_split else "*bf16", bias_ptr="*fp32",
+                     c_ptr="*fp32", **dict.fromkeys(("stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm",
+                                                     "stride_cn"), "i64"))
+        consts = dict(A_SPLIT=a_split, B_SPLIT=b_split, HAS_BIAS=True, BF16_DOT=True, BLOCK_M=bm, BLOCK_N=bn,
+                      BLOCK_K=bk, GROUP_M=8)
+        ptx = _sm90(fn, consts, types, ("a_ptr", "b_ptr", "c_ptr"), num_warps=warps, num_stages=stages).asm["ptx"]
+        assert ".bf16.bf16" in ptx
+        counts[a_split, b_split] = ptx.count("wgmma.mma_async")
+    assert counts[False, True] == counts[True, False] > 0 and counts[True, True] == 2 * counts[False, True], counts
+
+
+@pytest.mark.gpu
+def test_split_pieces_match_an_fp32_gemm_on_the_gpu():
+    """DeepSeek-V3's router at T=4096 (H=7168, E=256): logits, d(router), d(x); bf16 tensor cores, and cuBLAS's
+    fp32 as the yardstick. Hopper's fp32 accumulation of the pieces is not IEEE-exact: within 2x of cuBLAS."""
+    scope = {}
+    exec(_COMPARE, scope)
+    import torch
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    cases = [(4096, 7168, 256, bf16, f32, True, False), (256, 4096, 7168, f32, bf16, False, True),
+             (4096, 256, 7168, f32, f32, False, False), (1, 7168, 256, bf16, f32, False, False)]
+    _check([scope["compare"](*c, device="cuda") for c in cases], slack=2.0)
