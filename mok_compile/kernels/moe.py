@@ -386,8 +386,8 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     if kw["router_is_logits"]:
         d_router, d_router_bias, dx_router = dl.to(router.dtype), None, None
     else:
-        # In the router's own dtype (bf16 for most models, as HF's autograd does it; fp32 for DeepSeek's
-        # fp32 router): fp32 operands here would run cuBLAS's SIMT fp32 path, slower than the rest.
+        # In the router's own dtype (bf16 for most models, as HF's autograd does it); an fp32 router's (DeepSeek's)
+        # on the tensor cores, where cuBLAS would run its SIMT fp32 path (router_gemm.py).
         d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
         if router_gemm.enabled(x, router):  # an fp32 router: its GEMMs on the tensor cores, fp32-accurate
             d_router = router_gemm.matmul(dl.t(), x)

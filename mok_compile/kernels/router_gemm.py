@@ -120,6 +120,16 @@ def _split_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_a
 _MIN_TILES = 128
 
 
+def on_tensor_cores(M: int, N: int) -> bool:
+    """Whether an [M, N] output takes the kernel: not where it has too few tiles to fill the GPU, each with a
+    long K loop (DeepSeek-V3's logits up to T=1024: 64 or fewer), which cuBLAS's fp32 GEMM does faster
+    (NOTES-gpu v18 (3)). Always under the interpreter (its tests)."""
+    if _INTERPRET:
+        return True
+    bm, bn = _blocks(M, N)[:2]
+    return cdiv(M, bm) * cdiv(N, bn) >= _MIN_TILES
+
+
 def _blocks(M, N):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by how many tiles fill an H200's 132 SMs: 128 x 128
     where that gives two waves (DeepSeek-V3's d(x): T x H), 64 x 128 where one (d(router): E x H), else
@@ -143,16 +153,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     N = b.shape[1]
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=torch.float32, device=a.device)
-    bm, bn, bk, warps, stages = _blocks(M, N)
-    if not _INTERPRET and cdiv(M, bm) * cdiv(N, bn) < _MIN_TILES:
-        # Too few output tiles to fill the GPU (DeepSeek-V3's logits at T <= 1024: 64 or fewer), each with a
-        # long K loop: cuBLAS's fp32 GEMM is the faster one there.
+    if not on_tensor_cores(M, N):
         a, b = a.float(), b.float()
         return torch.mm(a, b) if bias is None else torch.addmm(bias.float(), a, b)
+    bm, bn, bk, warps, stages = _blocks(M, N)
     c = torch.empty((M, N), dtype=torch.float32, device=a.device)
     launcher(_split_mm_kernel)[(cdiv(M, bm) * cdiv(N, bn),)](
-        a, b, bias if bias is not None else c, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c.stride(0), c.stride(1), A_SPLIT=a.dtype == torch.float32, B_SPLIT=b.dtype == torch.float32,
+        a, b, bias.contiguous() if bias is not None else c, c, M, N, K, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), c.stride(0), c.stride(1), A_SPLIT=a.dtype == torch.float32, B_SPLIT=b.dtype == torch.float32,
         HAS_BIAS=bias is not None, BF16_DOT=not _INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=8, num_warps=warps, num_stages=stages)
     return c

@@ -75,6 +75,16 @@ def test_router_gemm_switch(monkeypatch):
         assert not router_gemm.enabled(x.cuda(), w.cuda())
 
 
+def test_small_outputs_stay_on_cublas():
+    """DeepSeek-V3 (H=7168, E=256): the logits take the kernel from T=2048 on (below, too few tiles: cuBLAS was
+    faster on the H200), the router's gradients at any T from 256."""
+    from mok_compile.kernels import router_gemm
+
+    E, H = 256, 7168
+    assert [router_gemm.on_tensor_cores(T, E) for T in (1, 256, 1024, 2048, 4096)] == [False] * 3 + [True] * 2
+    assert router_gemm.on_tensor_cores(E, H) and all(router_gemm.on_tensor_cores(T, H) for T in (256, 4096))
+
+
 @pytest.mark.parametrize("blocks", [(64, 128, 32, 4, 3), (128, 128, 32, 8, 3)])
 def test_compiles_to_wgmma_for_hopper(blocks):
     """On the CPU, for sm_90 (the GPU run is where a compile error would show otherwise): bf16 tensor-core
@@ -104,7 +114,11 @@ def test_split_pieces_match_an_fp32_gemm_on_the_gpu():
     exec(_COMPARE, scope)
     import torch
 
+    from mok_compile.kernels import router_gemm
+
     bf16, f32 = torch.bfloat16, torch.float32
     cases = [(4096, 7168, 256, bf16, f32, True, False), (256, 4096, 7168, f32, bf16, False, True),
-             (4096, 256, 7168, f32, f32, False, False), (1, 7168, 256, bf16, f32, False, False)]
+             (4096, 256, 7168, f32, f32, False, False)]
+    assert all(router_gemm.on_tensor_cores(M, N) for M, _, N, *_ in cases)
+    cases.append((1, 7168, 256, bf16, f32, False, False))  # T=1: cuBLAS
     _check([scope["compare"](*c, device="cuda") for c in cases], slack=2.0)
