@@ -8,40 +8,6 @@ from tests.kernels.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
-# (M, K, N, a dtype, b dtype, bias, a transposed): the three uses (x @ W^T, dl^T @ x, dl @ W), an fp16 operand,
-# sizes that are not multiples of the blocks, strided operands, and empty ones.
-_CASES = r"""
-import torch
-bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-CASES = [(37, 70, 45, bf16, f32, True, False), (45, 37, 70, f32, bf16, False, True),
-         (37, 45, 70, f32, f32, False, False), (21, 33, 19, f16, f32, True, False), (1, 16, 8, bf16, f32, False, False),
-         (0, 16, 8, bf16, f32, True, False), (9, 0, 8, f32, f32, False, False)]
-"""
-
-_COMPARE = r"""
-import json
-import torch
-from mok_compile.kernels import router_gemm
-
-def rel(a, ref):
-    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-def compare(M, K, N, da, db, with_bias, a_transposed, device="cpu", seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    a = torch.randn((K, M) if a_transposed else (M, K), generator=g, device=device).to(da)
-    a = a.t() if a_transposed else a
-    b = (torch.randn(N, K, generator=g, device=device) * max(K, 1) ** -0.5).to(db).t()  # [K, N] view, as W^T
-    bias = torch.randn(N, generator=g, device=device) if with_bias else None
-    ref = a.double() @ b.double() + (bias.double() if with_bias else 0)
-    got = router_gemm.matmul(a, b, bias)
-    fp32 = a.float() @ b.float() + (bias if with_bias else 0)
-    return dict(case=[M, K, N, str(da), str(db)], shape=list(got.shape), dtype=str(got.dtype),
-                err=rel(got, ref) if ref.numel() and ref.norm() > 0 else 0.0,
-                fp32_err=rel(fp32, ref) if ref.numel() and ref.norm() > 0 else 0.0,
-                zero=bool(ref.numel() == 0 or got.abs().sum() == 0),
-                again=bool(torch.equal(got, router_gemm.matmul(a, b, bias))))
-"""
-
 
 def _check(results, slack):
     for r in results:
@@ -56,7 +22,8 @@ def _check(results, slack):
 
 
 def test_split_pieces_match_an_fp32_gemm_interpreted():
-    results = run_interpreted(_CASES + _COMPARE + "print(json.dumps([compare(*c) for c in CASES]))")
+    results = run_interpreted("import json\nfrom tests.kernels.router_gemm_cases import CPU_CASES, compare\n"
+                              "print(json.dumps([compare(*c) for c in CPU_CASES]))")
     assert len(results) == 7
     _check(results, slack=1.5)
 
@@ -110,15 +77,14 @@ def test_compiles_to_wgmma_for_hopper(blocks):
 def test_split_pieces_match_an_fp32_gemm_on_the_gpu():
     """DeepSeek-V3's router at T=4096 (H=7168, E=256): logits, d(router), d(x); bf16 tensor cores, and cuBLAS's
     fp32 as the yardstick. Hopper's fp32 accumulation of the pieces is not IEEE-exact: within 2x of cuBLAS."""
-    scope = {}
-    exec(_COMPARE, scope)
     import torch
 
     from mok_compile.kernels import router_gemm
+    from tests.kernels.router_gemm_cases import compare
 
     bf16, f32 = torch.bfloat16, torch.float32
     cases = [(4096, 7168, 256, bf16, f32, True, False), (256, 4096, 7168, f32, bf16, False, True),
              (4096, 256, 7168, f32, f32, False, False)]
     assert all(router_gemm.on_tensor_cores(M, N) for M, _, N, *_ in cases)
     cases.append((1, 7168, 256, bf16, f32, False, False))  # T=1: cuBLAS
-    _check([scope["compare"](*c, device="cuda") for c in cases], slack=2.0)
+    _check([compare(*c, device="cuda") for c in cases], slack=2.0)
