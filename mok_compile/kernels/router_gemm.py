@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import configs
+from .grouped_gemm import _tile_of
 from .launch import cdiv, launcher
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -73,14 +74,7 @@ def _split_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_a
                      GROUP_M: tl.constexpr):
     """c[M, N] (fp32) = a @ b (+ bias[N]); an operand with SPLIT is fp32 and taken as three bf16 pieces, one
     without is bf16 and taken as is (module doc). One program per output tile, K in order: deterministic."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size
-    pid_n = (pid % per_group) // size
+    pid_m, pid_n = _tile_of(tl.program_id(0), N, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -124,23 +118,21 @@ def on_tensor_cores(M: int, N: int) -> bool:
     """Whether an [M, N] output takes the kernel: not where it has too few tiles to fill the GPU, each with a
     long K loop (DeepSeek-V3's logits up to T=1024: 64 or fewer), which cuBLAS's fp32 GEMM does faster
     (NOTES-gpu v18 (3)). Always under the interpreter (its tests)."""
-    if _INTERPRET:
-        return True
-    bm, bn = _blocks(M, N)[:2]
-    return cdiv(M, bm) * cdiv(N, bn) >= _MIN_TILES
+    return _kernel_blocks(M, N) is not None
 
 
-def _blocks(M, N):
+def _kernel_blocks(M, N):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by how many tiles fill an H200's 132 SMs: 128 x 128
     where that gives two waves (DeepSeek-V3's d(x): T x H), 64 x 128 where one (d(router): E x H), else
-    64 x 64 (the logits: T x E). Measured on an H200 at DeepSeek-V3's T=4096 (NOTES-gpu v18 (3))."""
+    64 x 64 (the logits: T x E); None below _MIN_TILES tiles (`on_tensor_cores`). Measured on an H200 at
+    DeepSeek-V3's sizes (NOTES-gpu v18 (3))."""
     if _INTERPRET:
         return 16, 16, 16, 1, 1
     if cdiv(M, 128) * cdiv(N, 128) >= 264:
         return 128, 128, 32, 8, 3
     if cdiv(M, 64) * cdiv(N, 128) >= 132:
         return 64, 128, 64, 4, 3
-    return 64, 64, 64, 4, 3
+    return (64, 64, 64, 4, 3) if cdiv(M, 64) * cdiv(N, 64) >= _MIN_TILES else None
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,10 +145,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     N = b.shape[1]
     if M == 0 or N == 0:
         return torch.empty((M, N), dtype=torch.float32, device=a.device)
-    if not on_tensor_cores(M, N):
+    blocks = _kernel_blocks(M, N)
+    if blocks is None:
         a, b = a.float(), b.float()
         return torch.mm(a, b) if bias is None else torch.addmm(bias.float(), a, b)
-    bm, bn, bk, warps, stages = _blocks(M, N)
+    bm, bn, bk, warps, stages = blocks
     c = torch.empty((M, N), dtype=torch.float32, device=a.device)
     launcher(_split_mm_kernel)[(cdiv(M, bm) * cdiv(N, bn),)](
         a, b, bias.contiguous() if bias is not None else c, c, M, N, K, a.stride(0), a.stride(1), b.stride(0),

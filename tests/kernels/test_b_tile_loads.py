@@ -9,18 +9,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-
-def _sm90(fn, consts, types, aligned, **options):
-    """`fn` compiled for Hopper (sm_90) on the CPU: `types` the arguments that are not i32, `aligned` those
-    that a real launch specialises as 16-divisible (pointers, strides, sizes)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {n: "i32" for n in fn.arg_names}
-    sig.update(types)
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if n not in consts}
-    return triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=options)
+from tests.kernels.sm90 import compile_for_sm90  # noqa: E402
 
 
 def _gate_up_kernel(interleaved, b_kn, blocked, tma=False, store_h=False, half_tail=False, block=(64, 64, 64),
@@ -49,7 +38,7 @@ def _gate_up_kernel(interleaved, b_kn, blocked, tma=False, store_h=False, half_t
     if not store_h:
         consts.update(h_ptr=None, stride_hm=None)
     aligned = ("a_ptr", "b_ptr", "c_ptr", "h_ptr", "up_off", "KD", "N", "col_mul") + strides
-    return _sm90(fn, consts, types, aligned, **options)
+    return compile_for_sm90(fn, consts, types, aligned, **options)
 
 
 def _gate_up_bwd_kernel(half_tail=False, block=(64, 64, 64), **options):
@@ -66,7 +55,7 @@ def _gate_up_bwd_kernel(half_tail=False, block=(64, 64, 64), **options):
                "stride_am")
     types.update({n: "i64" for n in strides})
     aligned = ("x_ptr", "w1_ptr", "g2_ptr", "dh_ptr", "act_ptr", "up_off", "I", "H", "col_mul") + strides
-    return _sm90(fn, consts, types, aligned, **options)
+    return compile_for_sm90(fn, consts, types, aligned, **options)
 
 
 def _gate_up_ptx(interleaved, b_kn, blocked):

@@ -57,7 +57,7 @@ def test_compiles_to_wgmma_for_hopper(blocks):
     """On the CPU, for sm_90 (the GPU run is where a compile error would show otherwise): bf16 tensor-core
     dots, 3 per K step with one fp32 operand and 6 with two."""
     from mok_compile.kernels.router_gemm import _split_mm_kernel as fn
-    from tests.kernels.test_b_tile_loads import _sm90
+    from tests.kernels.sm90 import compile_for_sm90
 
     bm, bn, bk, warps, stages = blocks
     counts = {}
@@ -67,7 +67,7 @@ def test_compiles_to_wgmma_for_hopper(blocks):
                                                      "stride_cn"), "i64"))
         consts = dict(A_SPLIT=a_split, B_SPLIT=b_split, HAS_BIAS=True, BF16_DOT=True, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_K=bk, GROUP_M=8)
-        ptx = _sm90(fn, consts, types, ("a_ptr", "b_ptr", "c_ptr"), num_warps=warps, num_stages=stages).asm["ptx"]
+        ptx = compile_for_sm90(fn, consts, types, ("a_ptr", "b_ptr", "c_ptr"), num_warps=warps, num_stages=stages).asm["ptx"]
         assert ".bf16.bf16" in ptx
         counts[a_split, b_split] = ptx.count("wgmma.mma_async")
     assert counts[False, True] == counts[True, False] > 0 and counts[True, True] == 2 * counts[False, True], counts
