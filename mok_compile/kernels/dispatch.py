@@ -12,6 +12,10 @@ gradients) runs over the same rows in the same order on every run.
 Each expert's rows are contiguous and unpadded; a grouped GEMM derives its
 (expert, row block) from `expert_count` alone, so any BLOCK_M works.
 `combine` sums the K rows of each token in slot order (fixed, no atomics).
+
+The five arrays are views of one int32 buffer, `Dispatch.layout` (`layout_size` entries): the training
+forward returns it and its backward rebuilds the Dispatch from it (`Dispatch.from_layout`) instead of
+counting, scanning and scattering again (3 launches; 8 bytes per (token, slot) pair kept).
 """
 
 from __future__ import annotations
@@ -88,19 +92,26 @@ def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, p
         tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
 
 
+def _aligned_len(n: int) -> int:
+    """n int32 entries rounded up to 16 bytes, so that every array of a layout starts 16-byte aligned, as a
+    tensor of its own would (Triton specialises pointer arguments on that alignment)."""
+    return -(-n // 4) * 4
+
+
+def layout_size(num_experts: int, num_pairs: int) -> int:
+    """int32 entries of a `Dispatch.layout`: expert_count, expert_start, expert_end [E]; sorted_pair, pair_pos
+    [T*K]; each padded to 16 bytes."""
+    return 3 * _aligned_len(num_experts) + 2 * _aligned_len(num_pairs)
+
+
 class Dispatch:
     """The sorted layout of one routing decision: what every grouped kernel needs."""
 
     def __init__(self, topk_ids, chunk_counts, num_experts, block_t):
         T, K = topk_ids.shape
-        dev = topk_ids.device
         n_chunks, block_e = chunk_counts.shape
-        self.num_experts, self.top_k, self.num_pairs = num_experts, K, T * K
-        self.expert_count = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        self.expert_start = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        self.expert_end = torch.empty(num_experts, dtype=torch.int32, device=dev)  # group offsets of grouped_mm
-        self.sorted_pair = torch.empty(T * K, dtype=torch.int32, device=dev)
-        self.pair_pos = torch.empty(T * K, dtype=torch.int32, device=dev)
+        layout = torch.empty(layout_size(num_experts, T * K), dtype=torch.int32, device=topk_ids.device)
+        self._view(layout, num_experts, K, T * K)
         chunk_off = torch.empty_like(chunk_counts)
         launcher(_scan_kernel)[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, self.expert_end,
                                      n_chunks, num_experts, BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
@@ -108,6 +119,29 @@ class Dispatch:
             launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair,
                                                    self.pair_pos, T, num_experts, K=K, BLOCK_T=block_t,
                                                    BLOCK_E=block_e)
+
+    @classmethod
+    def from_layout(cls, layout, num_experts, top_k, num_pairs) -> "Dispatch":
+        """The Dispatch whose `layout` this is (the training forward's, kept for its backward)."""
+        if (layout.dtype != torch.int32 or layout.dim() != 1 or not layout.is_contiguous()
+                or layout.numel() != layout_size(num_experts, num_pairs)):
+            raise ValueError(f"mok.fused_moe_backward: routing_layout must be a contiguous int32 vector of "
+                             f"{layout_size(num_experts, num_pairs)} entries (the training forward's for "
+                             f"{num_pairs} pairs and {num_experts} experts), got {layout.dtype} of shape "
+                             f"{tuple(layout.shape)}")
+        disp = cls.__new__(cls)
+        disp._view(layout, num_experts, top_k, num_pairs)
+        return disp
+
+    def _view(self, layout, num_experts, top_k, num_pairs):
+        self.layout = layout
+        self.num_experts, self.top_k, self.num_pairs = num_experts, top_k, num_pairs
+        e, p = _aligned_len(num_experts), _aligned_len(num_pairs)
+        self.expert_count = layout[:num_experts]
+        self.expert_start = layout[e:e + num_experts]
+        self.expert_end = layout[2 * e:2 * e + num_experts]  # group offsets of grouped_mm
+        self.sorted_pair = layout[3 * e:3 * e + num_pairs]
+        self.pair_pos = layout[3 * e + p:3 * e + p + num_pairs]
 
 
 @triton.jit

@@ -12,9 +12,10 @@ The routing weight is applied in the combine, not in the down GEMM's epilogue: H
 the rounded expert output by the (often fp32) weight and sums in fp32, and doing it where the
 rows are summed reproduces that at no extra memory traffic.
 
-Backward (recomputes the routing layout; autograd saves the op inputs + topk_weights + topk_ids,
-K * (4 + 8) bytes per token, and h, K * 2I elements per token, from `mok::fused_moe_train`):
-    logits recomputed, count, scan, scatter
+Backward (autograd saves the op inputs + topk_weights + topk_ids, K * (4 + 8) bytes per token, and from
+`mok::fused_moe_train` h, K * 2I elements per token, the router logits, E elements per token, and the
+dispatch layout, K * 8 bytes per token; a direct call without the last two first recomputes the logits
+and runs count, scan and scatter):
     g2          g2[r] = go[tok(r)] @ W2[e]^T                (gathered GEMM)
     act bwd     from the saved h: dh, w * act(h), partial d(weights) per I-tile (activation_pass.py);
                 without it (MOK_RECOMPUTE_GATE_UP=1, a direct call, weight on input) `_gate_up_bwd_kernel`
@@ -52,7 +53,7 @@ from ..ops import reference
 from ..ops.spec import with_defaults
 from . import activation_pass, configs, cutlass_gemm, router_gemm
 from .activation import activation_code
-from .dispatch import Dispatch, combine, count_chunks
+from .dispatch import Dispatch, combine, count_chunks, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
 from .launch import cdiv, launcher, next_power_of_2
 from .routing import route, route_backward, routing_block
@@ -214,25 +215,43 @@ def _logits(x, router, router_bias, kw):
                                    router_fp32=kw["router_fp32"])
 
 
+def _saved_logits(router_logits, T, E, kw):
+    """The forward's logits for the backward, or None where it recomputes them (the router argument is the
+    logits); a wrong shape is the caller's error, not something to recompute around."""
+    if kw["router_is_logits"]:
+        return None
+    if router_logits.dim() != 2 or tuple(router_logits.shape) != (T, E) or not router_logits.is_floating_point():
+        raise ValueError(f"mok.fused_moe_backward: router_logits must be the forward's [{T}, {E}] logits, got "
+                         f"{router_logits.dtype} of shape {tuple(router_logits.shape)}")
+    return router_logits
+
+
 def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, save_gate_up=False, **kw):
     """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`; with
-    `save_gate_up` (`mok::fused_moe_train`) also h = x @ W1 per pair in sorted order (before bias and
-    activation, in the input dtype), for the backward to read instead of recomputing that GEMM."""
+    `save_gate_up` (`mok::fused_moe_train`) also what the backward reads instead of recomputing: h = x @ W1
+    per pair in sorted order (before bias and activation, in the input dtype), the router logits ([0, E]
+    where the router argument is the logits) and the `Dispatch.layout`."""
     kw = with_defaults(kw)
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
     K = kw["top_k"]
     weights_dtype = torch.float32 if kw["weights_fp32"] else x.dtype
+    logits = _logits(x, router, router_bias, kw)
     w, ids, chunk_counts, block_t = route(
-        _logits(x, router, router_bias, kw), selection_bias, top_k=K, routing=kw["routing"],
+        logits, selection_bias, top_k=K, routing=kw["routing"],
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
         weights_dtype=weights_dtype)
+    kept_logits = logits if not kw["router_is_logits"] else router.new_empty((0, E))  # never an input's alias
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
-        return (x.new_empty((0, H)), w, ids) + ((x.new_empty((0, gate_up_cols)),) if save_gate_up else ())
+        out = (x.new_empty((0, H)), w, ids)
+        if not save_gate_up:
+            return out
+        layout = torch.zeros(layout_size(E, 0), dtype=torch.int32, device=x.device)
+        return out + (x.new_empty((0, gate_up_cols)), kept_logits, layout)
     disp = Dispatch(ids, chunk_counts, E, block_t)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
@@ -263,15 +282,18 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
               gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=kw,
               cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
         out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype)
-    return (out, w, ids, h) if save_gate_up else (out, w, ids)
+    return (out, w, ids, h, kept_logits, disp.layout) if save_gate_up else (out, w, ids)
 
 
 def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                        gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
-    """Gradients with the semantics of `reference.fused_moe_backward_reference`. `gate_up_out`: h saved by
-    `fused_moe_forward(save_gate_up=True)`; the backward then skips recomputing it."""
+    """Gradients with the semantics of `reference.fused_moe_backward_reference`. `gate_up_out`, `router_logits`,
+    `routing_layout`: h, the logits and the dispatch layout returned by `fused_moe_forward(save_gate_up=True)`;
+    the backward then skips recomputing them (the gate_up GEMM; the router GEMM; count, scan and scatter)."""
     kw = with_defaults(kw)
     gate_up_out = kw.pop("gate_up_out", None)
+    router_logits = kw.pop("router_logits", None)
+    routing_layout = kw.pop("routing_layout", None)
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -286,8 +308,11 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
                 zeros_like(down_proj), None if down_bias is None else zeros_like(down_bias))
 
     topk_ids = topk_ids.contiguous()
-    block_t, block_e = routing_block(E)
-    disp = Dispatch(topk_ids, count_chunks(topk_ids, E, block_t, block_e), E, block_t)
+    if routing_layout is not None:
+        disp = Dispatch.from_layout(routing_layout, E, K, T * K)
+    else:
+        block_t, block_e = routing_block(E)
+        disp = Dispatch(topk_ids, count_chunks(topk_ids, E, block_t, block_e), E, block_t)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     go = grad_out.to(x.dtype).contiguous()
@@ -379,7 +404,9 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     if down_bias is not None and not woi:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
         bias_term = (go.float() @ down_bias.float().t()).gather(1, topk_ids)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
-    logits = _logits(x, router, router_bias, kw)
+    logits = _saved_logits(router_logits, T, E, kw) if router_logits is not None else None
+    if logits is None:
+        logits = _logits(x, router, router_bias, kw)
     dl = route_backward(logits, topk_ids, disp.pair_pos, dw_parts,
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"])

@@ -47,18 +47,24 @@ FUSED_MOE_SCHEMA = (
 # `gate_up_out`: h = x @ W1 per pair in expert-sorted order (before bias and activation), saved by
 # `fused_moe_train`; when given, the CUDA and C++ backwards read it instead of recomputing that GEMM
 # (the reference ignores it).
+# `router_logits`, `routing_layout`: the logits and the expert-sorted dispatch layout, saved by `fused_moe_train`
+# on CUDA; given, the CUDA backward skips the router GEMM and count, scan and scatter (others ignore them).
+_SAVED_ROUTING = "Tensor? router_logits=None, Tensor? routing_layout=None"
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
-    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None) "
+    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None, {_SAVED_ROUTING}) "
     "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
 )
 
 # The forward autograd runs when gradients are needed (`_saves_gate_up`: CUDA and CPU kernels): also
-# returns h, so that the backward does not recompute the gate_up GEMM.
+# returns h, so that the backward does not recompute the gate_up GEMM, and (`keeps_routing`: CUDA) the
+# router logits ([0, E] where the router argument is the logits) and the dispatch layout; the C++ kernel,
+# whose backward recomputes its own, returns them empty.
 FUSED_MOE_TRAIN_SCHEMA = (
     f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
-    "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out)"
+    "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out, Tensor router_logits, "
+    "Tensor routing_layout)"
 )
 
 # The backward that consumes the saved h: it may write dh over it (same shape), so that it needs no second
@@ -69,7 +75,8 @@ FUSED_MOE_TRAIN_SCHEMA = (
 # retain_graph, h is only read.
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
-    f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False) "
+    f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False, "
+    f"{_SAVED_ROUTING}) "
     "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
 )
@@ -215,8 +222,34 @@ def _fused_moe_train_fake(hidden_states, router, router_bias, selection_bias, ga
                           down_bias, **kw):
     out, weights, ids = _fused_moe_fake(hidden_states, router, router_bias, selection_bias, gate_up_proj,
                                         gate_up_bias, down_proj, down_bias, **kw)
-    gate_up_cols = gate_up_proj.shape[2] if with_defaults(kw)["transposed"] else gate_up_proj.shape[1]
-    return out, weights, ids, hidden_states.new_empty((ids.numel(), gate_up_cols))
+    kw = with_defaults(kw)
+    gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
+    h = hidden_states.new_empty((ids.numel(), gate_up_cols))
+    return (out, weights, ids, h, *saved_routing_like(hidden_states, router, gate_up_proj.shape[0], kw,
+                                                      kept=keeps_routing(hidden_states)))
+
+
+def keeps_routing(hidden_states) -> bool:
+    """Whether `fused_moe_train` returns the router logits and dispatch layout for its backward: the CUDA kernels;
+    the C++ kernel's backward recomputes its own, so it returns them empty."""
+    return hidden_states.device.type == "cuda"
+
+
+def saved_routing_like(hidden_states, router, num_experts, kw, *, kept: bool):
+    """Uninitialised (router_logits, routing_layout) of `fused_moe_train`'s shapes: [T, E] logits ([0, E] where the
+    router argument is the logits) and the layout's int32 vector where `kept`, else both empty."""
+    T, E = hidden_states.shape[0], num_experts
+    if kw["router_is_logits"]:
+        logits = router.new_empty((0, E))
+    else:
+        logits = hidden_states.new_empty((T if kept else 0, E),
+                                         dtype=reference.logits_dtype(hidden_states.dtype, kw["router_fp32"]))
+    layout_len = 0
+    if kept:  # CUDA: Triton is there (the module imports it)
+        from ..kernels.dispatch import layout_size
+
+        layout_len = layout_size(E, T * kw["top_k"])
+    return logits, hidden_states.new_empty((layout_len,), dtype=torch.int32)
 
 
 @torch.library.register_fake("mok::fused_moe_backward")
@@ -359,14 +392,17 @@ def _saves_gate_up(args, kwargs) -> bool:
 class _FusedMoeFunction(torch.autograd.Function):
     """Autograd of `mok::fused_moe`: saves the inputs and the routing (K * (4 + 8) bytes per token), and
     with the CUDA or C++ kernels also h = x @ W1 per pair (K * 2I elements per token), which saves the
-    backward a third of the forward's FLOPs (and a second read of W1 at few tokens)."""
+    backward a third of the forward's FLOPs (and a second read of W1 at few tokens). With the CUDA kernels
+    also the router logits (E elements per token) and the dispatch layout (K * 8 bytes per token): the
+    backward skips the router GEMM and 3 launches."""
 
     @staticmethod
     def forward(ctx, keyset, kwargs, *args):
         if _saves_gate_up(args, kwargs):
-            out, weights, ids, gate_up_out = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
+            out, weights, ids, *saved = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
             out = (out, weights, ids)
-            ctx.save_for_backward(*args, weights, ids, gate_up_out)
+            ctx.save_for_backward(*args, weights, ids, *saved)  # saved: h, router logits, dispatch layout
+            ctx.keeps_routing = keeps_routing(args[0])
         else:
             out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
             ctx.save_for_backward(*args, out[1], out[2])
@@ -385,11 +421,15 @@ class _FusedMoeFunction(torch.autograd.Function):
         keyset = _keyset_of((*args, *saved[10:]))
         if len(saved) == 10:
             grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, ctx.kwargs)
-        elif _gate_up_out_is_dead(saved[10]):
-            grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, saved[10]), ctx.kwargs)
         else:
-            grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args,
-                          {**ctx.kwargs, "gate_up_out": saved[10]})
+            h, logits, layout = saved[10:]
+            kwargs = ctx.kwargs
+            if ctx.keeps_routing:
+                kwargs = {**kwargs, "router_logits": logits, "routing_layout": layout}
+            if _gate_up_out_is_dead(h):
+                grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, h), kwargs)
+            else:
+                grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, {**kwargs, "gate_up_out": h})
         d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = grads
         # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
         return None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias

@@ -29,6 +29,11 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- routing
 
 
+def logits_dtype(x_dtype: torch.dtype, router_fp32: bool) -> torch.dtype:
+    """The dtype of `router_logits` computed from a router weight."""
+    return _acc_dtype(x_dtype) if router_fp32 else x_dtype
+
+
 def router_logits(x, router, router_bias, *, router_is_logits, router_fp32):
     """[T, E] logits, computed the way the HF router does."""
     if router_is_logits:
@@ -38,6 +43,9 @@ def router_logits(x, router, router_bias, *, router_is_logits, router_fp32):
         bias = None if router_bias is None else router_bias.to(acc)
         return F.linear(x.to(acc), router.to(acc), bias)
     return F.linear(x, router, router_bias)
+
+
+_logits_of = router_logits  # for the backward, whose `router_logits` argument (a kernel's saved logits) hides the name
 
 
 def _renorm_and_scale(w, *, renormalize, renorm_eps, routed_scale):
@@ -291,9 +299,9 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 gate_up_out=None):
+                                 gate_up_out=None, router_logits=None, routing_layout=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
-    (`gate_up_out`, a saved h for the CUDA kernels, is not read).
+    (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 
     weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.
@@ -368,7 +376,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     d_wts = d_wts.view(T, K)
     if grad_topk_weights is not None:
         d_wts = d_wts + grad_topk_weights.to(acc)
-    logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
+    logits = _logits_of(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     d_logits = routing_backward(logits, topk_weights, topk_ids, d_wts, routing=routing, renormalize=renormalize,
                                 renorm_eps=renorm_eps, routed_scale=routed_scale)
     if router_is_logits:

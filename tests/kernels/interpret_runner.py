@@ -7,6 +7,7 @@ and the kernel modules are first imported (pytest may have imported Triton alrea
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import sys
@@ -39,6 +40,28 @@ def _tie_at_top_k(tensors, kw):
     return bool((ranked[:, K - 1] == ranked[:, K]).any())
 
 
+@contextlib.contextmanager
+def _recomputes():
+    """Counts the backward's routing recomputations inside the block: the router logits (`moe._logits`) and the
+    dispatch's count (`moe.count_chunks`, which scan and scatter follow)."""
+    calls = collections.Counter()
+    real_logits, real_count = moe._logits, moe.count_chunks
+
+    def logits(*a, **k):
+        calls["logits"] += 1
+        return real_logits(*a, **k)
+
+    def count(*a, **k):
+        calls["count"] += 1
+        return real_count(*a, **k)
+
+    moe._logits, moe.count_chunks = logits, count
+    try:
+        yield calls
+    finally:
+        moe._logits, moe.count_chunks = real_logits, real_count
+
+
 def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
     """`accept(tensors, kw)`: a condition on the inputs; `ab_env` (name, value): also rerun the kernels with
     that environment variable and record their relative differences to the first run (`ab_err`), and the
@@ -62,14 +85,19 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
     res["grad_err"] = {n: rel_err(a, b) for n, a, b in zip(names, grads, r_grads) if b is not None}
     res["grad_missing"] = [n for n, a, b in zip(names, grads, r_grads) if (a is None) != (b is None)]
     if not kw.get("weight_on_input"):  # the training forward's saved h, read by the backward instead of recomputed
-        *fwd, h = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+        *fwd, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
         res["saved_out_equal"] = bool(torch.equal(fwd[0], out))
         saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **kw)
         res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
+        # With the saved logits and dispatch layout too: nothing of the routing recomputed, the same bits.
+        routing = {"router_logits": logits, "routing_layout": layout}
+        with _recomputes() as res["saved_routing_recomputed"]:
+            routed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **routing, **kw)
+        res["saved_routing_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(routed, saved))
         res["h_unchanged"] = bool(torch.equal(h, moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3]))
         # The consuming backward (`mok::fused_moe_backward_consume`: dh written over h) gives the same bits.
         consumed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h.clone(), overwrite_gate_up_out=True,
-                                          **kw)
+                                          **routing, **kw)
         res["consume_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved))
     if ab_env is not None:
         res["tiles"] = dict(TILES)

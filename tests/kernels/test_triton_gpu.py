@@ -228,14 +228,20 @@ def test_autograd_through_the_op_uses_cuda_kernels(variant):
     # The same gradients from the CUDA backward called directly: bitwise equal (deterministic kernels).
     o = out.detach().requires_grad_()
     o.float().square().mean().backward()
-    saved = {}  # what autograd saved: h from the training forward, except with the weight on the input
+    saved = {}  # what autograd saved: h, logits and dispatch layout from the training forward (not weight on input)
     if not kw.get("weight_on_input"):
-        saved["gate_up_out"] = torch.ops.mok.fused_moe_train(*tensors, **kw)[3]
+        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:]
+        saved = dict(gate_up_out=h, router_logits=logits, routing_layout=layout)
     direct = torch.ops.mok.fused_moe_backward(o.grad, torch.ones_like(w), *tensors, w.detach(), ids, **kw, **saved)
     for name, leaf, d in zip(GRAD_NAMES, (leaves[0], leaves[1], leaves[2], leaves[4], leaves[5], leaves[6], leaves[7]),
                              direct):
         if leaf is not None:
             assert torch.equal(leaf.grad, d), name
+    if saved:  # the logits and layout recomputed instead: the same bits
+        rerouted = torch.ops.mok.fused_moe_backward(o.grad, torch.ones_like(w), *tensors, w.detach(), ids, **kw,
+                                                    gate_up_out=saved["gate_up_out"])
+        for a, b in zip(direct, rerouted):
+            assert (a is None and b is None) or torch.equal(a, b)
     # and the recompute path (MOK_RECOMPUTE_GATE_UP=1) within rounding of it
     recomputed = torch.ops.mok.fused_moe_backward(o.grad, torch.ones_like(w), *tensors, w.detach(), ids, **kw)
     for a, b in zip(direct, recomputed):
@@ -284,7 +290,7 @@ def test_backward_consume_writes_dh_over_h(variant):
     """`mok::fused_moe_backward_consume` (autograd's last backward) gives the gradients of the plain
     backward bit for bit, and frees the saved h it wrote dh over (its storage resized to 0)."""
     tensors, kw = make_case(variant, T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
-    out, w, ids, h = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    out, w, ids, h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)
     go = torch.randn_like(out)
     plain = torch.ops.mok.fused_moe_backward(go, torch.ones_like(w), *tensors, w, ids, **kw, gate_up_out=h)
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
@@ -292,14 +298,61 @@ def test_backward_consume_writes_dh_over_h(variant):
     for a, b in zip(plain, consumed):
         assert (a is None and b is None) or torch.equal(a, b)
     assert h.untyped_storage().nbytes() == 0
+    # with the saved routing too (autograd's call): the same bits
+    h = torch.ops.mok.fused_moe_train(*tensors, **kw)[3]
+    routed = torch.ops.mok.fused_moe_backward_consume(go, torch.ones_like(w), *tensors, w, ids, h, **kw,
+                                                      router_logits=logits, routing_layout=layout)
+    for a, b in zip(plain, routed):
+        assert (a is None and b is None) or torch.equal(a, b)
     # if_graph_freed (the compiled backward's call): outside an autograd graph task h is only read
-    out, w, ids, h = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    out, w, ids, h, *_ = torch.ops.mok.fused_moe_train(*tensors, **kw)
     kept = h.clone()
     read = torch.ops.mok.fused_moe_backward_consume(go, torch.ones_like(w), *tensors, w, ids, h, **kw,
                                                     if_graph_freed=True)
     assert torch.equal(h, kept)
     for a, b in zip(plain, read):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "deepseek_v3", "router_logits"])
+def test_training_forward_keeps_the_routing(variant):
+    """`fused_moe_train` on CUDA returns the router logits ([0, E] where the router argument is the logits) and the
+    dispatch layout, bit for bit what a backward without them recomputes (the router GEMM; the Dispatch built from
+    topk_ids), with the fake kernel's shapes and dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mok_compile.kernels import moe
+    from mok_compile.kernels.dispatch import Dispatch, count_chunks
+    from mok_compile.kernels.routing import routing_block
+    from mok_compile.ops.spec import with_defaults
+
+    tensors, kw = make_case(variant, T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    real = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.mok.fused_moe_train(*[mode.from_tensor(t) if t is not None else None for t in tensors], **kw)
+    for r, f in zip(real, fake, strict=True):
+        assert r.shape == f.shape and r.dtype == f.dtype and r.device == f.device
+    kwd = with_defaults(kw)
+    logits, layout, ids = real[4], real[5], real[2]
+    if kwd["router_is_logits"]:
+        assert logits.shape == (0, 8)
+    else:
+        assert torch.equal(logits, moe._logits(*tensors[:3], kwd))
+    block_t, block_e = routing_block(8)
+    kept = Dispatch.from_layout(layout, 8, 2, 333 * 2)
+    built = Dispatch(ids, count_chunks(ids, 8, block_t, block_e), 8, block_t)
+    for name in ("expert_count", "expert_start", "expert_end", "sorted_pair", "pair_pos"):  # not the padding
+        assert torch.equal(getattr(kept, name), getattr(built, name)), name
+
+
+def test_backward_rejects_a_wrong_routing_layout():
+    tensors, kw = make_case("qwen3", T=64, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
+    out, w, ids, h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    go = torch.randn_like(out)
+    with pytest.raises(ValueError, match="routing_layout must be"):
+        torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw, routing_layout=layout[1:])
+    with pytest.raises(ValueError, match="router_logits must be"):
+        torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw, router_logits=logits[1:])
 
 
 def test_cuda_graph_captures_the_autograd_step():

@@ -92,3 +92,17 @@ def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
         assert res["saved_out_equal"] and res["h_unchanged"] and res["consume_equal"], res
         for name, err in res["grad_err_saved"].items():
             assert err < tol, (name, res)
+
+
+def test_backward_from_saved_routing_recomputes_none_of_it(interpreter_results):
+    """With the training forward's router logits and dispatch layout, the backward runs neither the router GEMM
+    (where the router argument is a weight) nor count, scan and scatter, and its gradients are the bits of the
+    backward that recomputes them (the consuming backward above took them too)."""
+    from tests.kernels.cases import VARIANTS
+
+    saved = [res for res in interpreter_results if "saved_routing_equal" in res]
+    assert saved
+    for res in saved:
+        router_is_logits = VARIANTS[res["case"].split("/")[-3]][0].get("router_is_logits", False)
+        assert res["saved_routing_equal"], res
+        assert res["saved_routing_recomputed"] == ({"logits": 1} if router_is_logits else {}), res

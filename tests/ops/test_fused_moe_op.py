@@ -292,7 +292,7 @@ def test_opcheck_backward_consume():
     optional (bias gradient) returns."""
     args, kw = _train_case()
     with torch.no_grad():
-        out, w, ids, h = torch.ops.mok.fused_moe_train(*args, **kw)
+        out, w, ids, h, *_ = torch.ops.mok.fused_moe_train(*args, **kw)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     torch.library.opcheck(torch.ops.mok.fused_moe_backward_consume.default,
                           (grad_out, torch.ones_like(w), *[a.detach() if a is not None else None for a in args],
