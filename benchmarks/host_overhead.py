@@ -3,10 +3,11 @@
     python -m benchmarks.host_overhead [--tokens 16] [--variant qwen3] [--profile] [--launch-times]
 
 At a few tokens the GPU work is microseconds, so a loop of calls without synchronisation runs at
-the speed of the host: the time per call is the Python + launch cost. Measured for the forward op,
-the backward op and autograd forward+backward (each also with Triton's own launch path,
-`launch.fast_launch = False`, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch
-calls for scale (Qwen3-30B-A3B layer shape, bf16).
+the speed of the host: the time per call is the Python + launch cost. Measured for the forward op, the
+backward op (alone, and reading what the training forward saved, as autograd calls it) and autograd
+forward+backward (each also with Triton's own launch path, `launch.fast_launch = False`, against mok's
+`Launcher`), one launch of a small kernel both ways, and a few torch calls for scale (Qwen3-30B-A3B layer
+shape, bf16).
 """
 
 from __future__ import annotations
@@ -88,9 +89,13 @@ def main():
     b = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
 
     scan_args = (counts, chunk_off, e32, e32, e32, 1, 128)
+    h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:]  # what autograd's backward reads
     rows = {
         "mok.fused_moe forward (no grad)": lambda: torch.ops.mok.fused_moe(*tensors, **kw),
         "mok.fused_moe_backward": lambda: torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw),
+        "mok.fused_moe_backward, as autograd calls it (saved h, logits, layout)":
+            lambda: torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw, gate_up_out=h,
+                                                     router_logits=logits, routing_layout=layout),
         "autograd fwd+bwd (loss = out.sum())": lambda: torch.ops.mok.fused_moe(*leaves, **kw)[0].sum().backward(),
         "one launch, Triton's (_scan_kernel, 9 args)": lambda: dispatch._scan_kernel[(1,)](
             *scan_args, BLOCK_C=64, BLOCK_E=128),
@@ -99,7 +104,7 @@ def main():
         "torch.empty": lambda: torch.empty((16, 2048), device="cuda", dtype=torch.bfloat16),
         "a @ b.t() (cuBLAS)": lambda: a @ b.t(),
     }
-    ops = list(rows)[:3]
+    ops = list(rows)[:4]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, T={args.tokens}")
     print("| call | host us per call | with Triton's launch |\n|---|---|---|")
     host_us = {}
@@ -113,7 +118,7 @@ def main():
             finally:
                 launch.fast_launch = fast  # as it was (MOK_FAST_LAUNCH=0 keeps it off)
         print(f"| {name} | {host_us[name]:.1f} | {slow} |", flush=True)
-    for name in ops[:2]:
+    for name in ops[:3]:
         per_kernel = launch_times(rows[name], reps=200 if args.launch_times else 1)
         line = f"{name}: {sum(n for _, n in per_kernel.values())} Triton launches"
         if args.launch_times:
