@@ -345,6 +345,22 @@ def test_training_forward_keeps_the_routing(variant):
         assert torch.equal(getattr(kept, name), getattr(built, name)), name
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "deepseek_v3"])
+def test_autograd_backward_reads_the_saved_routing(variant, monkeypatch):
+    """Autograd's backward takes the training forward's logits and layout: it neither recomputes the logits nor
+    counts the routing again (both replaced after the forward by stubs that record a call)."""
+    from mok_compile.kernels import moe
+
+    tensors, kw = make_case(variant, T=200, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    leaves = _leaves(tensors)
+    out, w, _ = torch.ops.mok.fused_moe(*leaves, **kw)
+    calls = []
+    monkeypatch.setattr(moe, "_logits", lambda *a, **k: calls.append("logits"))
+    monkeypatch.setattr(moe, "count_chunks", lambda *a, **k: calls.append("count"))
+    (out.float().square().mean() + w.float().sum()).backward()
+    assert calls == [] and leaves[0].grad is not None
+
+
 def test_backward_rejects_a_wrong_routing_layout():
     tensors, kw = make_case("qwen3", T=64, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
     out, w, ids, h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)
