@@ -89,15 +89,13 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
         res["saved_out_equal"] = bool(torch.equal(fwd[0], out))
         saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **kw)
         res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
-        # With the saved logits and dispatch layout too: nothing of the routing recomputed, the same bits.
-        routing = {"router_logits": logits, "routing_layout": layout}
-        with _recomputes() as res["saved_routing_recomputed"]:
-            routed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **routing, **kw)
-        res["saved_routing_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(routed, saved))
         res["h_unchanged"] = bool(torch.equal(h, moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3]))
-        # The consuming backward (`mok::fused_moe_backward_consume`: dh written over h) gives the same bits.
-        consumed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h.clone(), overwrite_gate_up_out=True,
-                                          **routing, **kw)
+        # The backward as autograd calls it: consuming (`mok::fused_moe_backward_consume`: dh written over h) and
+        # reading the saved logits and dispatch layout. Nothing of the routing recomputed, the same bits.
+        with _recomputes() as res["saved_routing_recomputed"]:
+            consumed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h.clone(),
+                                              overwrite_gate_up_out=True, router_logits=logits, routing_layout=layout,
+                                              **kw)
         res["consume_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved))
     if ab_env is not None:
         res["tiles"] = dict(TILES)
