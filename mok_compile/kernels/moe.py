@@ -216,9 +216,9 @@ def _logits(x, router, router_bias, kw):
 
 
 def _saved_logits(router_logits, T, E, kw):
-    """The forward's logits for the backward, or None where it recomputes them (the router argument is the
-    logits); a wrong shape is the caller's error, not something to recompute around."""
-    if kw["router_is_logits"]:
+    """The forward's logits for the backward, or None where it recomputes them (none given, or the router
+    argument is the logits); a wrong shape is the caller's error, not something to recompute around."""
+    if router_logits is None or kw["router_is_logits"]:
         return None
     if router_logits.dim() != 2 or tuple(router_logits.shape) != (T, E) or not router_logits.is_floating_point():
         raise ValueError(f"mok.fused_moe_backward: router_logits must be the forward's [{T}, {E}] logits, got "
@@ -308,6 +308,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
                 zeros_like(down_proj), None if down_bias is None else zeros_like(down_bias))
 
     topk_ids = topk_ids.contiguous()
+    saved_logits = _saved_logits(router_logits, T, E, kw)  # checked here, before any launch
     if routing_layout is not None:
         disp = Dispatch.from_layout(routing_layout, E, K, T * K)
     else:
@@ -404,9 +405,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     if down_bias is not None and not woi:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
         bias_term = (go.float() @ down_bias.float().t()).gather(1, topk_ids)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
-    logits = _saved_logits(router_logits, T, E, kw) if router_logits is not None else None
-    if logits is None:
-        logits = _logits(x, router, router_bias, kw)
+    logits = saved_logits if saved_logits is not None else _logits(x, router, router_bias, kw)
     dl = route_backward(logits, topk_ids, disp.pair_pos, dw_parts,
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"])

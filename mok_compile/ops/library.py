@@ -402,7 +402,6 @@ class _FusedMoeFunction(torch.autograd.Function):
             out, weights, ids, *saved = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
             out = (out, weights, ids)
             ctx.save_for_backward(*args, weights, ids, *saved)  # saved: h, router logits, dispatch layout
-            ctx.keeps_routing = keeps_routing(args[0])
         else:
             out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
             ctx.save_for_backward(*args, out[1], out[2])
@@ -424,7 +423,7 @@ class _FusedMoeFunction(torch.autograd.Function):
         else:
             h, logits, layout = saved[10:]
             kwargs = ctx.kwargs
-            if ctx.keeps_routing:
+            if keeps_routing(tensors[0]):  # what the training forward returned for x's device
                 kwargs = {**kwargs, "router_logits": logits, "routing_layout": layout}
             if _gate_up_out_is_dead(h):
                 grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, h), kwargs)
