@@ -406,21 +406,25 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         bias_term = (go.float() @ down_bias.float().t()).gather(1, topk_ids)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
     logits = saved_logits if saved_logits is not None else _logits(x, router, router_bias, kw)
+    # d(logits) feeds the router's gradients in the router's own dtype (bf16 for most models, as HF's autograd
+    # does it), so route_bwd stores it in that dtype, unless an fp32 sum (the router bias's gradient) or an fp32
+    # router's GEMMs on the tensor cores (DeepSeek's; cuBLAS would run its SIMT fp32 path: router_gemm.py) read it.
+    fp32_router_gemm = not kw["router_is_logits"] and router_gemm.enabled(x, router)
+    dl_dtype = torch.float32 if router_bias is not None or fp32_router_gemm else router.dtype
     dl = route_backward(logits, topk_ids, disp.pair_pos, dw_parts,
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
-                        renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"])
+                        renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"],
+                        out_dtype=dl_dtype)
     if kw["router_is_logits"]:
         d_router, d_router_bias, dx_router = dl.to(router.dtype), None, None
     else:
-        # In the router's own dtype (bf16 for most models, as HF's autograd does it); an fp32 router's (DeepSeek's)
-        # on the tensor cores, where cuBLAS would run its SIMT fp32 path (router_gemm.py).
         d_router_bias = None if router_bias is None else dl.sum(dim=0).to(router_bias.dtype)
-        if router_gemm.enabled(x, router):  # an fp32 router: its GEMMs on the tensor cores, fp32-accurate
+        if fp32_router_gemm:  # its GEMMs on the tensor cores, fp32-accurate
             d_router = router_gemm.matmul(dl.t(), x)
             dx_router = router_gemm.matmul(dl, router)
         else:
             rdt = router.dtype
-            dl_r = dl.to(rdt)  # one cast for both GEMMs
+            dl_r = dl.to(rdt)  # one cast for both GEMMs (none where route_bwd stored it in rdt)
             d_router = dl_r.t() @ x.to(rdt)
             dx_router = dl_r @ router
     # Weight on input: dx[t] = sum_k w[t,k] * dxs[pos(t,k)] in fp32 (the product not rounded).

@@ -223,16 +223,20 @@ def _route_bwd_kernel(
         dl = scat
     else:  # 2, 3: d logits[t, ids] = d w0 * w0 * (1 - w0)
         dl = scat * base * (1.0 - base)
-    tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl, mask=lmask)
+    # Rounded once from fp32 where the caller asked for the router's dtype (as `.to()` would round it).
+    tl.store(dlogits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], dl.to(dlogits_ptr.dtype.element_ty),
+             mask=lmask)
 
 
 def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
-                   routed_scale):
-    """d(logits) [T, E] fp32; `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted position."""
+                   routed_scale, out_dtype=torch.float32):
+    """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
+    needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
+    position."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = routing_block(E)
-    dl = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    dl = torch.empty((T, E), dtype=out_dtype, device=logits.device)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_bwd_kernel)[(cdiv(T, block_t),)](

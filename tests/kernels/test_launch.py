@@ -112,6 +112,32 @@ def test_a_new_key_goes_through_triton(change, cuda_stand_ins):
     assert [entry[0] for entry in fn.log] == ["triton", "triton", "direct"]
 
 
+def test_each_tensor_alignment_and_each_value_type_is_its_own_key(cuda_stand_ins):
+    """Which tensor is misaligned matters (not only whether one is), and True / 1 / 1.0 in the same slot are
+    three specialisations (one call site each: the value types are part of a site)."""
+    fn = _JitStandIn(_kernel)
+    launcher = Launcher(fn)
+    buf = torch.zeros(64)
+    aligned, misaligned = buf[:32], buf[33:]
+    calls = [(aligned, misaligned, 7, 0.5), (misaligned, aligned, 7, 0.5), (aligned, aligned, True, 0.5),
+             (aligned, aligned, 1, 0.5), (aligned, aligned, 1.0, 0.5)]
+    for _ in range(2):
+        for args in calls:
+            launcher[(1,)](*args, BLOCK=32)
+    assert [entry[0] for entry in fn.log] == ["triton"] * len(calls) + ["direct"] * len(calls)
+    assert [entry[3][:4] for entry in fn.log[len(calls):]] == calls
+
+
+def test_a_tensor_where_a_call_gave_none_goes_through_triton(cuda_stand_ins):
+    fn = _JitStandIn(_kernel)
+    launcher = Launcher(fn)
+    a = torch.zeros(32)
+    for opt in (None, a, None, a):
+        launcher[(1,)](a, a, 7, 0.5, opt_ptr=opt)
+    assert [entry[0] for entry in fn.log] == ["triton", "triton", "direct", "direct"]
+    assert fn.log[3][3][-1] is a
+
+
 def _noop(*args, **kwargs):
     pass
 
