@@ -8,15 +8,16 @@ import json
 
 import pytest
 
-from tests.kernels.interpreted import interpreted_stdout
+from tests.kernels.interpreted import KERNEL_RUNNER, interpreted_stdout
 
 pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    # A guard against a hang, not a speed limit: a slow 2-core CI machine takes ~10 minutes.
-    stdout = interpreted_stdout(["-m", "tests.kernels.interpret_runner"], timeout=1200)
+    # Started at collection by tests/conftest.py where it can be. The timeout is a guard against a hang, not a
+    # speed limit: a slow 2-core CI machine takes ~10 minutes alone, longer beside the other tests.
+    stdout = interpreted_stdout(KERNEL_RUNNER, timeout=2400)
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
