@@ -114,7 +114,7 @@ def test_a_new_key_goes_through_triton(change, cuda_stand_ins):
 
 def test_each_tensor_alignment_and_each_value_type_is_its_own_key(cuda_stand_ins):
     """Which tensor is misaligned matters (not only whether one is), and True / 1 / 1.0 in the same slot are
-    three specialisations (one call site each: the value types are part of a site)."""
+    three specialisations (the key holds each plain value's type with it)."""
     fn = _JitStandIn(_kernel)
     launcher = Launcher(fn)
     buf = torch.zeros(64)
