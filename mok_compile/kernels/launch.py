@@ -21,6 +21,7 @@ the environment at import (`launch.fast_launch = False` at run time).
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from triton import knobs
@@ -32,6 +33,10 @@ _MAX_ENTRIES = 4096  # per kernel; a key holds sizes (T among them), so serving 
 fast_launch = os.environ.get("MOK_FAST_LAUNCH", "1") != "0"
 
 _LAUNCHERS: dict = {}
+
+# local.recording: a launch plan's recorder (`plan.py`) while it records a call on this thread, told of every launch.
+local = threading.local()
+local.recording = None
 
 
 def launcher(fn) -> "Launcher":
@@ -62,6 +67,8 @@ class Launcher:
 
     def run(self, grid, args, kwargs):
         if not (fast_launch and self._direct) or self.fn.pre_run_hooks or _hooks_set():
+            if getattr(local, "recording", None) is not None:
+                local.recording.on_triton_path()
             return self.fn[grid](*args, **kwargs)
         # The key: the call's argument names and what Triton specialises on in each given value (the
         # defaults of the rest never change).
@@ -77,11 +84,17 @@ class Launcher:
             if len(self._kernels) >= _MAX_ENTRIES:
                 self._kernels.clear()
             self._kernels[key] = kernel
+            if getattr(local, "recording", None) is not None:
+                local.recording.on_launch(kernel, grid, self._values(args, names, kwargs))
             return kernel
         n = len(grid)
         stream = torch._C._cuda_getCurrentRawStream(device)
+        values = self._values(args, names, kwargs)
+        recorder = getattr(local, "recording", None)
+        if recorder is not None:
+            recorder.on_launch(kernel, grid, values)
         kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-                   kernel.packed_metadata, None, None, None, *self._values(args, names, kwargs))
+                   kernel.packed_metadata, None, None, None, *values)
         return kernel
 
     def _values(self, args, names, kwargs) -> list:

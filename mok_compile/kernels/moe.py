@@ -51,7 +51,7 @@ import torch
 
 from ..ops import reference
 from ..ops.spec import with_defaults
-from . import activation_pass, configs, cutlass_gemm, router_gemm
+from . import activation_pass, configs, cutlass_gemm, plan, router_gemm
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -226,13 +226,24 @@ def _saved_logits(router_logits, T, E, kw):
     return router_logits
 
 
+_FORWARD_PLANS = plan.PlanCache()
+
+
 def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, save_gate_up=False, **kw):
     """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`; with
     `save_gate_up` (`mok::fused_moe_train`) also what the backward reads instead of recomputing: h = x @ W1
     per pair in sorted order (before bias and activation, in the input dtype), the router logits ([0, E]
-    where the router argument is the logits) and the `Dispatch.layout`."""
+    where the router argument is the logits) and the `Dispatch.layout`. Replayed from a launch plan
+    (`plan.py`) where this call's signature has one."""
+    tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
     kw = with_defaults(kw)
+    return _FORWARD_PLANS.call(lambda: _forward(*tensors, save_gate_up=save_gate_up, **kw), tensors,
+                               (save_gate_up, tuple(kw.items())))
+
+
+def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
+             save_gate_up, **kw):
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)

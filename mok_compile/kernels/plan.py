@@ -1,0 +1,380 @@
+"""Launch plans: a GPU entry point's ops and kernel launches, recorded once per call signature and replayed.
+
+At a few hundred tokens the op's host time exceeds its GPU time, and most of that host time is the Python that
+works out sizes, configs, grids and argument lists around the launches (benchmarks/NOTES-gpu.md v21 (5): the
+Qwen3 forward at T=256 takes 326 us of host time as is, 125 us for the same launches pre-bound). A `Plan`
+records what the normal path does on one call: every aten op (through a TorchDispatchMode) and every direct
+Triton launch (through `launch.Launcher`), with each tensor argument replaced by its slot, an input of the call
+or an output of an earlier step. Replaying runs the same ops and the same compiled kernels with the same other
+arguments on a later call's tensors, skipping the Python in between.
+
+That is exact only where the call signature fixes everything the normal path reads besides tensor data and
+addresses: each input's shape, strides, dtype, device and 16-byte alignment (what Triton specialises pointers
+on; the allocator's blocks and the views into them keep theirs), the options, the MOK_* switches, the TF32
+setting and the current device (`signature`). A path that reads anything else cannot be planned: a tensor the
+recorder did not see made, an op returning a non-tensor, a launch through Triton's own path (launch hooks,
+`launch.fast_launch` off). Recording then stops and the call runs again, on the normal path: so plans are for
+entry points that do not write their inputs (the forward).
+
+A signature is recorded on its second call (a signature seen once costs nothing extra), and the cache keeps the
+64 most recently used plans. MOK_LAUNCH_PLAN=0 at import (`plan.enabled = False` at run time) turns plans off.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import launch
+
+enabled = os.environ.get("MOK_LAUNCH_PLAN", "1") != "0"
+
+# Environment switches the kernels' Python reads per call (configs.py, moe.py, router_gemm.py, library.py).
+SWITCHES = ("MOK_TMA", "MOK_GROUP_M", "MOK_HALF_TAIL", "MOK_GEMM_ENGINE", "MOK_ROUTER_GEMM",
+            "MOK_RECOMPUTE_GATE_UP", "TRITON_INTERPRET")
+_MAX_PLANS = 64
+
+
+class Unplannable(Exception):
+    """The recorded path read something the signature does not fix."""
+
+
+def _plannable(x) -> bool:
+    """CUDA tensors only: elsewhere (the CPU interpreter) every launch takes Triton's own path."""
+    return x.is_cuda
+
+
+def signature(tensors, options) -> tuple:
+    """What a plan's replay must have in common with its recording (see the module docstring)."""
+    environ = os.environ
+    return (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                  for t in tensors),
+            options, tuple(environ.get(name) for name in SWITCHES), torch.backends.cuda.matmul.allow_tf32,
+            torch._C._cuda_getDevice())
+
+
+class PlanCache:
+    """Plans of one entry point, by signature."""
+
+    def __init__(self, max_plans: int = _MAX_PLANS):
+        self._plans = collections.OrderedDict()
+        self._seen = collections.OrderedDict()
+        self._max = max_plans
+
+    def call(self, run, tensors, options):
+        """`run()`, the normal path over `tensors` (the call's tensor arguments, None for absent ones) with
+        `options` (hashable: everything else it takes), or its plan's replay."""
+        if not (enabled and launch.fast_launch and _plannable(tensors[0])) or launch._hooks_set():
+            return run()
+        try:
+            sig = signature(tensors, options)
+            hash(sig)
+        except TypeError:  # an unhashable option: no plan
+            return run()
+        plan = self._plans.get(sig)
+        if plan is not None:
+            self._plans.move_to_end(sig)
+            return plan.replay(tensors)
+        if sig not in self._seen:
+            _remember(self._seen, sig, None, self._max)
+            return run()
+        plan, result = Plan.record(run, tensors)
+        if plan is not None:
+            _remember(self._plans, sig, plan, self._max)
+        return result
+
+    def clear(self):
+        self._plans.clear()
+        self._seen.clear()
+
+
+def _remember(cache, key, value, limit):
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
+class _Slot:
+    """A tensor argument: the slot-th tensor of the replay (inputs first, then step outputs in order)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index):
+        self.index = index
+
+
+class _Desc:
+    """A TensorDescriptor argument over the tensor in `slot`."""
+
+    __slots__ = ("slot", "shape", "strides", "block_shape", "padding")
+
+    def __init__(self, slot, desc):
+        self.slot = slot
+        self.shape, self.strides = list(desc.shape), list(desc.strides)
+        self.block_shape, self.padding = list(desc.block_shape), desc.padding
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every aten op and (through `launch.recording`) every Triton launch of the recorded call."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.slots = {}  # id(tensor) -> slot, for the tensors alive (an id freed is forgotten before its reuse)
+        self.steps = []
+        self.finalizers = []
+        for i, t in enumerate(tensors):
+            if t is not None:
+                if id(t) in self.slots:  # one tensor as two arguments: a later call need not repeat that
+                    raise Unplannable("an input given twice")
+                self.slots[id(t)] = i
+        self.n_slots = len(tensors)
+
+    def _track(self, t):
+        """Give `t` the next slot; forget it when it is freed (the normal path frees intermediates early: keeping
+        them alive would raise the recorded call's peak memory)."""
+        key = id(t)
+        self.slots[key] = self.n_slots
+        self.n_slots += 1
+        self.finalizers.append(weakref.finalize(t, self.slots.pop, key, None))
+
+    def close(self):
+        for f in self.finalizers:  # the recorded tensors outlive the recording: do not keep it alive with them
+            f.detach()
+
+    def slot_of(self, value):
+        if isinstance(value, torch.Tensor):
+            index = self.slots.get(id(value))
+            if index is None:
+                raise Unplannable("a tensor the recording did not see made")
+            return _Slot(index)
+        if isinstance(value, TensorDescriptor):
+            return _Desc(self.slot_of(value.base).index, value)
+        return value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        step = _OpStep(func, tree_map(self.slot_of, args), tree_map(self.slot_of, kwargs))
+        out = func(*args, **kwargs)
+        flat = tree_flatten(out)[0]
+        if any(not isinstance(v, torch.Tensor) for v in flat):
+            raise Unplannable(f"{func} returned a non-tensor")
+        for v in flat:  # an in-place op's output is its input: the same slot
+            if id(v) not in self.slots:
+                self._track(v)
+        step.out_slots = [self.slots[id(v)] for v in flat]
+        self.steps.append(step)
+        return out
+
+    def on_launch(self, kernel, grid, values):
+        self.steps.append(_LaunchStep(kernel, grid, [self.slot_of(v) for v in values]))
+
+    def on_triton_path(self):
+        raise Unplannable("a launch through Triton's own path (launch hooks, or the fast path off)")
+
+
+class _OpStep:
+    __slots__ = ("func", "args", "kwargs", "out_slots", "flat")
+
+    def __init__(self, func, args, kwargs):
+        # An aten overload called from Python costs ~3x its public function (13 against 5 us for an empty on
+        # the CPU): the ops the kernels' Python makes replay through the latter (`_FAST`), the rest as recorded.
+        fast = _FAST.get(func)
+        self.func = fast(args, kwargs) if fast is not None else None
+        if self.func is None:
+            self.func = func
+        else:
+            args, kwargs = [v for v in args if type(v) is _Slot], {}
+        self.args, self.kwargs = args, kwargs
+        # Tensors only at the top level (the usual case): filled by a comprehension instead of tree_map.
+        self.flat = not any(isinstance(v, (list, tuple, dict)) and any(isinstance(x, _Slot) for x in tree_flatten(v)[0])
+                            for v in (*args, *kwargs.values()))
+
+    def fill(self, slots):
+        if self.flat:
+            return ([slots[v.index] if type(v) is _Slot else v for v in self.args],
+                    {k: slots[v.index] if type(v) is _Slot else v for k, v in self.kwargs.items()})
+        return _fill(self.args, slots), _fill(self.kwargs, slots)
+
+
+class _LaunchStep:
+    __slots__ = ("kernel", "grid", "values", "tensor_at", "desc_at")
+
+    def __init__(self, kernel, grid, values):
+        n = len(grid)
+        self.kernel = kernel
+        self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
+        self.tensor_at = [(i, v.index) for i, v in enumerate(values) if isinstance(v, _Slot)]
+        self.desc_at = [(i, v) for i, v in enumerate(values) if isinstance(v, _Desc)]
+        self.values = [None if isinstance(v, (_Slot, _Desc)) else v for v in values]
+
+
+_ANY = object()
+
+
+def _only(kwargs, **allowed) -> bool:
+    """Whether `kwargs` hold only the `allowed` names, each at one of its listed values (`_ANY`: any value)."""
+    return all(k in allowed and (allowed[k] is _ANY or any(v is a or v == a for a in allowed[k]))
+               for k, v in kwargs.items())
+
+
+def _fast_empty(args, kwargs):
+    if len(args) == 1 and _only(kwargs, dtype=_ANY, device=_ANY, layout=(torch.strided, None),
+                                pin_memory=(False, None), memory_format=(None, torch.contiguous_format)):
+        size, dtype, device = args[0], kwargs.get("dtype"), kwargs.get("device")
+        return lambda: torch.empty(size, dtype=dtype, device=device)
+    return None
+
+
+def _fast_empty_like(args, kwargs):
+    if len(args) == 1 and _only(kwargs, dtype=(None,), layout=(None,), device=(None,), pin_memory=(None, False),
+                                memory_format=(None, torch.preserve_format)):
+        return torch.empty_like
+    return None
+
+
+def _fast_slice(args, kwargs):
+    _, dim, start, end, step = (*args, *(None, 0, None, None, 1)[len(args):])
+    if kwargs or dim != 0 or step != 1:
+        return None
+    return lambda t: t[start:end]  # Python's slice of dim 0: the same normalisation as aten.slice
+
+
+def _no_kwargs(fast):
+    return lambda args, kwargs: None if kwargs else fast
+
+
+_FAST = {
+    torch.ops.aten.empty.memory_format: _fast_empty,
+    torch.ops.aten.empty_like.default: _fast_empty_like,
+    torch.ops.aten.slice.Tensor: _fast_slice,
+    torch.ops.aten.detach.default: _no_kwargs(torch.Tensor.detach),
+    torch.ops.aten.t.default: _no_kwargs(torch.Tensor.t),
+    torch.ops.aten.mm.default: _no_kwargs(torch.mm),
+    torch.ops.aten.addmm.default: _no_kwargs(torch.addmm),
+}
+
+
+def _fill(template, slots):
+    return tree_map(lambda v: slots[v.index] if isinstance(v, _Slot) else v, template)
+
+
+class Plan:
+    """The recorded steps of one call; `replay(tensors)` runs them on another call's tensors."""
+
+    def __init__(self, steps, result, n_inputs):
+        # Each step compiled to the cheapest form that replays it:
+        #   (_ALIAS, src)        a detach: the same tensor serves (only its data and layout are read later)
+        #   (_CALL, fn, slots)   fn(*tensors in slots), one new output: the fast ops with tensor arguments only
+        #   (_OP, step)          an op as recorded, its arguments filled in (an in-place op's output keeps its slot)
+        #   (_LAUNCH, step)      a Triton launch
+        self.steps = []
+        n_slots = n_inputs
+        for step in steps:
+            if type(step) is _LaunchStep:
+                self.steps.append((_LAUNCH, step))
+                continue
+            one_new = step.out_slots == [n_slots]
+            n_slots += sum(index >= n_slots for index in step.out_slots)
+            if one_new and step.func is torch.Tensor.detach and step.flat:
+                self.steps.append((_ALIAS, step.args[0].index))
+            elif one_new and step.flat and not step.kwargs and all(type(v) is _Slot for v in step.args):
+                self.steps.append((_CALL, step.func, [v.index for v in step.args]))
+            else:
+                self.steps.append((_OP, step))
+        # Each slot is dropped after the step that reads it last (the normal path frees some intermediates
+        # before it returns; holding every slot to the end would raise the replay's peak memory).
+        last = {}
+        for k, step in enumerate(self.steps):
+            for index in _reads(step):
+                last[index] = k
+        flat, spec = tree_flatten(result)
+        kept = {v.index for v in flat if type(v) is _Slot}
+        self.release = [[] for _ in self.steps]
+        for index, k in last.items():
+            if index >= n_inputs and index not in kept:
+                self.release[k].append(index)
+        self.result_slots = [v.index if type(v) is _Slot else v for v in flat]
+        self.result_is_slots = [type(v) is _Slot for v in flat]
+        self.result_tuple = isinstance(result, tuple) and all(self.result_is_slots) and spec == tree_flatten(
+            tuple(flat))[1]
+        self.result = result
+
+    @classmethod
+    def record(cls, run, tensors):
+        """(plan or None, result of run()): run the normal path once, recording it."""
+        recorder = None
+        try:
+            recorder = _Recorder(tensors)
+            launch.local.recording = recorder
+            with recorder:
+                result = run()
+        except Unplannable:
+            launch.local.recording = None
+            return None, run()  # the recording gave up (part-way): the normal path, unrecorded
+        finally:
+            launch.local.recording = None
+            if recorder is not None:
+                recorder.close()
+        try:
+            template = tree_map(recorder.slot_of, result)
+        except Unplannable:
+            return None, result
+        return cls(recorder.steps, template, len(tensors)), result
+
+    def replay(self, tensors):
+        slots = list(tensors)
+        stream = None
+        for step, release in zip(self.steps, self.release):
+            kind = step[0]
+            if kind is _CALL:
+                slots.append(step[1](*[slots[i] for i in step[2]]))
+            elif kind is _ALIAS:
+                slots.append(slots[step[1]])
+            elif kind is _LAUNCH:
+                launch_step = step[1]
+                values = list(launch_step.values)
+                for i, index in launch_step.tensor_at:
+                    values[i] = slots[index]
+                for i, d in launch_step.desc_at:
+                    values[i] = TensorDescriptor(slots[d.slot], d.shape, d.strides, d.block_shape, d.padding)
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+                kernel = launch_step.kernel
+                kernel.run(*launch_step.grid, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                           *values)
+            else:
+                op = step[1]
+                args, kwargs = op.fill(slots)
+                out = op.func(*args, **kwargs)
+                flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+                for index, v in zip(op.out_slots, flat):
+                    if index == len(slots):  # a new tensor (an in-place op's output already has its slot)
+                        slots.append(v)
+            for index in release:
+                slots[index] = None
+        if self.result_tuple:
+            return tuple([slots[i] for i in self.result_slots])
+        return _fill(self.result, slots)
+
+
+_CALL, _ALIAS, _OP, _LAUNCH = "call", "alias", "op", "launch"
+
+
+def _reads(step) -> list:
+    """The slots a compiled step reads."""
+    kind = step[0]
+    if kind is _CALL:
+        return step[2]
+    if kind is _ALIAS:
+        return [step[1]]
+    if kind is _LAUNCH:
+        return [index for _, index in step[1].tensor_at] + [d.slot for _, d in step[1].desc_at]
+    op = step[1]
+    return [v.index for v in tree_flatten((op.args, op.kwargs))[0] if type(v) is _Slot]

@@ -1,0 +1,157 @@
+"""Launch plans (`mok_compile.kernels.plan`) on the CPU: a replayed forward makes, launch for launch, the same
+launches with the same arguments as the normal path on the same call, and the same aten ops. Triton launches
+are stubbed (every kernel counts as compiled and logs its arguments instead of running), so the forward's
+Python and its torch ops run as on the GPU; the GPU tests run the real kernels with plans on."""
+
+import pytest
+import torch
+
+from mok_compile.kernels import launch, moe, plan
+from tests.kernels.cases import make_case
+
+
+class _Logged:
+    """A compiled kernel stand-in: `run` logs the grid and the parameter values."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def run(self, g0, g1, g2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *values):
+        self.log.append((self.name, (g0, g1, g2), values))
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """Launches logged, not run; plans allowed on CPU tensors; fresh plan caches."""
+    log = []
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(launch, "fast_launch", True)
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})
+    monkeypatch.setattr(plan, "_plannable", lambda x: True)
+    monkeypatch.setattr(plan, "enabled", True)
+    monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
+
+    class Compiled(dict):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def get(self, key, default=None):  # every key "compiled": the direct path, logged
+            return _Logged(self.name, log)
+
+    real_init = launch.Launcher.__init__
+
+    def init(self, fn):
+        real_init(self, fn)
+        self._direct = True
+        self._kernels = Compiled(getattr(fn, "__name__", "kernel"))
+
+    monkeypatch.setattr(launch.Launcher, "__init__", init)
+    return log
+
+
+def _labels(log, inputs):
+    """The log with each tensor argument named by what it is: an input (by position) or the n-th other tensor seen,
+    with its shape, strides, dtype and offset; TensorDescriptors by their base and geometry."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    seen = {}
+
+    def name(v):
+        if isinstance(v, TensorDescriptor):
+            return ("desc", name(v.base), list(v.shape), list(v.strides), list(v.block_shape))
+        if not isinstance(v, torch.Tensor):
+            return v
+        for i, t in enumerate(inputs):
+            if t is not None and v is t:
+                return ("input", i)
+        key = v.untyped_storage().data_ptr()
+        seen.setdefault(key, len(seen))
+        return ("tensor", seen[key], v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+
+    return [(kernel, grid, [name(v) for v in values]) for kernel, grid, values in log]
+
+
+VARIANTS = [("qwen3", False), ("qwen3", True), ("gpt_oss", True), ("deepseek_v3", True), ("llama4", False)]
+
+
+@pytest.mark.parametrize("variant,save", VARIANTS)
+def test_a_replayed_forward_launches_what_the_normal_path_does(stubbed, variant, save):
+    tensors, kw = make_case(variant, T=37, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    log = stubbed
+
+    def call(x):
+        log.clear()
+        out = moe.fused_moe_forward(x, *tensors[1:], save_gate_up=save, **kw)
+        return out, _labels(log, (x, *tensors[1:]))
+
+    for _ in range(2):  # seen once, then recorded
+        call(torch.randn_like(tensors[0]))
+    assert len(moe._FORWARD_PLANS._plans) == 1
+    x = torch.randn_like(tensors[0])
+    replayed, replayed_log = call(x)
+    plan.enabled = False
+    normal, normal_log = call(x)
+    assert replayed_log == normal_log and len(normal_log) >= 5
+    assert len(replayed) == len(normal) == (6 if save else 3)
+    for r, n in zip(replayed, normal):
+        assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
+    if save and variant != "llama4":  # the router logits: computed on the CPU, by the replayed F.linear too
+        assert torch.equal(replayed[4], normal[4])
+
+
+def test_each_signature_has_its_own_plan(stubbed, monkeypatch):
+    tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    for x in (tensors[0], tensors[0][:9], tensors[0]):
+        for _ in range(2):
+            moe.fused_moe_forward(x.clone(), *tensors[1:], **kw)
+    monkeypatch.setenv("MOK_TMA", "0")
+    for _ in range(2):
+        moe.fused_moe_forward(tensors[0].clone(), *tensors[1:], **kw)
+    # T=16, T=9, and T=16 again under another switch; an input 2 bytes off 16-byte alignment: one more
+    misaligned = torch.empty(16 * 64 + 1, dtype=torch.float16)[1:].view(16, 64)
+    for _ in range(2):
+        moe.fused_moe_forward(misaligned, *tensors[1:], **kw)
+    assert len(moe._FORWARD_PLANS._plans) == 4
+
+
+def test_a_path_that_reads_a_value_on_the_host_is_not_planned(stubbed, monkeypatch):
+    tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    real_logits = moe._logits
+
+    def logits_and_a_host_read(x, *args):
+        float(x.abs().sum())  # the recording cannot replay a value read on the host
+        return real_logits(x, *args)
+
+    monkeypatch.setattr(moe, "_logits", logits_and_a_host_read)
+    for _ in range(3):
+        out = moe.fused_moe_forward(tensors[0], *tensors[1:], **kw)
+        assert len(out) == 3
+    assert not moe._FORWARD_PLANS._plans
+
+
+def test_no_plan_while_a_launch_hook_is_set(stubbed, monkeypatch):
+    tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    monkeypatch.setattr(launch, "_hooks_set", lambda: True)
+    monkeypatch.setattr(launch.Launcher, "run", lambda self, grid, args, kwargs: None)  # Triton's path, skipped
+    for _ in range(3):
+        moe.fused_moe_forward(tensors[0], *tensors[1:], **kw)
+    assert not moe._FORWARD_PLANS._plans and not moe._FORWARD_PLANS._seen
+
+
+def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
+    """A MOK_* variable read per call but missing from `plan.SWITCHES` would let a plan replay what another
+    setting of it would not launch."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(moe.__file__).parent
+    read = set()
+    for path in [*root.glob("*.py"), root.parent / "ops" / "library.py"]:
+        read |= set(re.findall(r"os\.environ\.get\(\"([A-Z_]+)\"", path.read_text()))
+    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN"}  # read once, into module variables the plan cache checks
+    assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)
+    assert "MOK_TMA" in read  # the pattern finds them
