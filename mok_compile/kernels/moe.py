@@ -296,15 +296,29 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     return (out, w, ids, h, kept_logits, disp.layout) if save_gate_up else (out, w, ids)
 
 
+_BACKWARD_PLANS = plan.PlanCache()
+
+
 def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                        gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
     """Gradients with the semantics of `reference.fused_moe_backward_reference`. `gate_up_out`, `router_logits`,
     `routing_layout`: h, the logits and the dispatch layout returned by `fused_moe_forward(save_gate_up=True)`;
-    the backward then skips recomputing them (the gate_up GEMM; the router GEMM; count, scan and scatter)."""
+    the backward then skips recomputing them (the gate_up GEMM; the router GEMM; count, scan and scatter).
+    Replayed from a launch plan (`plan.py`) where this call's signature has one."""
     kw = with_defaults(kw)
-    gate_up_out = kw.pop("gate_up_out", None)
-    router_logits = kw.pop("router_logits", None)
-    routing_layout = kw.pop("routing_layout", None)
+    tensors = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
+               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, kw.pop("gate_up_out", None),
+               kw.pop("router_logits", None), kw.pop("routing_layout", None))
+    return _BACKWARD_PLANS.call(lambda: _backward(*tensors, **kw), tensors, tuple(kw.items()))
+
+
+def _free_storage(t):
+    t.untyped_storage().resize_(0)
+
+
+def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
+              gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
+              **kw):
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -407,7 +421,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     if overwrite_h and gate_up_out._base is None:
         # dh lived in h's memory and h is dead: release it now rather than when autograd drops its saved
         # tensors after this op returns (the router and combine below would otherwise stack on top of it).
-        gate_up_out.untyped_storage().resize_(0)
+        plan.effect(_free_storage, gate_up_out)  # no aten op: a plan's recording must be told
 
     # Router.
     dw_extra = None

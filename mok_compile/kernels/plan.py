@@ -9,12 +9,13 @@ or an output of an earlier step. Replaying runs the same ops and the same compil
 arguments on a later call's tensors, skipping the Python in between.
 
 That is exact only where the call signature fixes everything the normal path reads besides tensor data and
-addresses: each input's shape, strides, dtype, device and 16-byte alignment (what Triton specialises pointers
-on; the allocator's blocks and the views into them keep theirs), the options, the MOK_* switches, the TF32
-setting and the current device (`signature`). A path that reads anything else cannot be planned: a tensor the
+addresses: each input's shape, strides, dtype, device, 16-byte alignment (what Triton specialises pointers
+on; the allocator's blocks and the views into them keep theirs) and whether it is a view, the options, the
+MOK_* switches, the TF32 setting and the current device (`signature`). A path that reads anything else cannot be planned: a tensor the
 recorder did not see made, an op returning a non-tensor, a launch through Triton's own path (launch hooks,
-`launch.fast_launch` off). Recording then stops and the call runs again, on the normal path: so plans are for
-entry points that do not write their inputs (the forward).
+`launch.fast_launch` off). The recording then fails and the call goes on unrecorded (the recorder never
+interrupts it: an entry point may write its inputs, so it could not run again). Side effects that are no aten
+ops (freeing a tensor's storage) go through `effect`, which the recording sees.
 
 A signature is recorded on its second call (a signature seen once costs nothing extra), and the cache keeps the
 64 most recently used plans. MOK_LAUNCH_PLAN=0 at import (`plan.enabled = False` at run time) turns plans off.
@@ -53,7 +54,8 @@ def _plannable(x) -> bool:
 def signature(tensors, options) -> tuple:
     """What a plan's replay must have in common with its recording (see the module docstring)."""
     environ = os.environ
-    return (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    return (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0,
+                                          t._is_view())
                   for t in tensors),
             options, tuple(environ.get(name) for name in SWITCHES), torch.backends.cuda.matmul.allow_tf32,
             torch._C._cuda_getDevice())
@@ -129,10 +131,11 @@ class _Recorder(TorchDispatchMode):
         self.slots = {}  # id(tensor) -> slot, for the tensors alive (an id freed is forgotten before its reuse)
         self.steps = []
         self.finalizers = []
+        self.failed = None  # why the recording cannot make a plan, once it cannot
         for i, t in enumerate(tensors):
             if t is not None:
                 if id(t) in self.slots:  # one tensor as two arguments: a later call need not repeat that
-                    raise Unplannable("an input given twice")
+                    self.failed = "an input given twice"
                 self.slots[id(t)] = i
         self.n_slots = len(tensors)
 
@@ -158,13 +161,23 @@ class _Recorder(TorchDispatchMode):
             return _Desc(self.slot_of(value.base).index, value)
         return value
 
+    # The recorder never interrupts the call it watches (an entry point may write its inputs, so it could not
+    # be run again): what it cannot record marks the recording failed, and the call goes on unrecorded.
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        step = _OpStep(func, tree_map(self.slot_of, args), tree_map(self.slot_of, kwargs))
+        if self.failed:
+            return func(*args, **kwargs)
+        try:
+            step = _OpStep(func, tree_map(self.slot_of, args), tree_map(self.slot_of, kwargs))
+        except Unplannable as err:
+            self.failed = str(err)
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         flat = tree_flatten(out)[0]
         if any(not isinstance(v, torch.Tensor) for v in flat):
-            raise Unplannable(f"{func} returned a non-tensor")
+            self.failed = f"{func} returned a non-tensor"
+            return out
         for v in flat:  # an in-place op's output is its input: the same slot
             if id(v) not in self.slots:
                 self._track(v)
@@ -173,10 +186,20 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def on_launch(self, kernel, grid, values):
-        self.steps.append(_LaunchStep(kernel, grid, [self.slot_of(v) for v in values]))
+        self._append(lambda: _LaunchStep(kernel, grid, [self.slot_of(v) for v in values]))
+
+    def on_effect(self, effect, tensor):
+        self._append(lambda: _EffectStep(effect, self.slot_of(tensor).index))
 
     def on_triton_path(self):
-        raise Unplannable("a launch through Triton's own path (launch hooks, or the fast path off)")
+        self.failed = "a launch through Triton's own path (launch hooks, or the fast path off)"
+
+    def _append(self, make_step):
+        if not self.failed:
+            try:
+                self.steps.append(make_step())
+            except Unplannable as err:
+                self.failed = str(err)
 
 
 class _OpStep:
@@ -201,6 +224,24 @@ class _OpStep:
             return ([slots[v.index] if type(v) is _Slot else v for v in self.args],
                     {k: slots[v.index] if type(v) is _Slot else v for k, v in self.kwargs.items()})
         return _fill(self.args, slots), _fill(self.kwargs, slots)
+
+
+class _EffectStep:
+    """A side effect on a tensor that is no aten op (`effect(t)`), such as freeing its storage."""
+
+    __slots__ = ("effect", "slot")
+
+    def __init__(self, effect, slot):
+        self.effect, self.slot = effect, slot
+
+
+def effect(fn, tensor):
+    """`fn(tensor)`, also when a plan replays this call: for side effects the recorder cannot see (storage
+    operations, which are no aten ops)."""
+    recorder = getattr(launch.local, "recording", None)
+    if recorder is not None:
+        recorder.on_effect(fn, tensor)
+    fn(tensor)
 
 
 class _LaunchStep:
@@ -274,11 +315,15 @@ class Plan:
         #   (_CALL, fn, slots)   fn(*tensors in slots), one new output: the fast ops with tensor arguments only
         #   (_OP, step)          an op as recorded, its arguments filled in (an in-place op's output keeps its slot)
         #   (_LAUNCH, step)      a Triton launch
+        #   (_EFFECT, fn, slot)  a side effect the normal path made through `effect`
         self.steps = []
         n_slots = n_inputs
         for step in steps:
             if type(step) is _LaunchStep:
                 self.steps.append((_LAUNCH, step))
+                continue
+            if type(step) is _EffectStep:
+                self.steps.append((_EFFECT, step.effect, step.slot))
                 continue
             one_new = step.out_slots == [n_slots]
             n_slots += sum(index >= n_slots for index in step.out_slots)
@@ -309,22 +354,19 @@ class Plan:
     @classmethod
     def record(cls, run, tensors):
         """(plan or None, result of run()): run the normal path once, recording it."""
-        recorder = None
+        recorder = _Recorder(tensors)
+        launch.local.recording = recorder
         try:
-            recorder = _Recorder(tensors)
-            launch.local.recording = recorder
             with recorder:
                 result = run()
-        except Unplannable:
-            launch.local.recording = None
-            return None, run()  # the recording gave up (part-way): the normal path, unrecorded
         finally:
             launch.local.recording = None
-            if recorder is not None:
-                recorder.close()
+            recorder.close()
         try:
             template = tree_map(recorder.slot_of, result)
-        except Unplannable:
+        except Unplannable as err:
+            recorder.failed = recorder.failed or str(err)
+        if recorder.failed:
             return None, result
         return cls(recorder.steps, template, len(tensors)), result
 
@@ -337,6 +379,8 @@ class Plan:
                 slots.append(step[1](*[slots[i] for i in step[2]]))
             elif kind is _ALIAS:
                 slots.append(slots[step[1]])
+            elif kind is _EFFECT:
+                step[1](slots[step[2]])
             elif kind is _LAUNCH:
                 launch_step = step[1]
                 values = list(launch_step.values)
@@ -364,7 +408,7 @@ class Plan:
         return _fill(self.result, slots)
 
 
-_CALL, _ALIAS, _OP, _LAUNCH = "call", "alias", "op", "launch"
+_CALL, _ALIAS, _OP, _LAUNCH, _EFFECT = "call", "alias", "op", "launch", "effect"
 
 
 def _reads(step) -> list:
@@ -374,6 +418,8 @@ def _reads(step) -> list:
         return step[2]
     if kind is _ALIAS:
         return [step[1]]
+    if kind is _EFFECT:
+        return [step[2]]
     if kind is _LAUNCH:
         return [index for _, index in step[1].tensor_at] + [d.slot for _, d in step[1].desc_at]
     op = step[1]

@@ -33,6 +33,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(plan, "_plannable", lambda x: True)
     monkeypatch.setattr(plan, "enabled", True)
     monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
+    monkeypatch.setattr(moe, "_BACKWARD_PLANS", plan.PlanCache())
 
     class Compiled(dict):
         def __init__(self, name):
@@ -101,6 +102,46 @@ def test_a_replayed_forward_launches_what_the_normal_path_does(stubbed, variant,
         assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
     if save and variant != "llama4":  # the router logits: computed on the CPU, by the replayed F.linear too
         assert torch.equal(replayed[4], normal[4])
+
+
+# (variant, reading the training forward's h, logits and layout, writing dh over h and freeing it)
+BACKWARD_VARIANTS = [("qwen3", True, False), ("qwen3", True, True), ("qwen3", False, False), ("gpt_oss", True, True),
+                     ("deepseek_v3", True, False), ("llama4", False, False)]
+
+
+@pytest.mark.parametrize("variant,saved,overwrite", BACKWARD_VARIANTS)
+def test_a_replayed_backward_launches_what_the_normal_path_does(stubbed, variant, saved, overwrite):
+    T, E, K = 37, 8, 2
+    tensors, kw = make_case(variant, T=T, H=64, I=32, E=E, K=K, dtype=torch.float16)
+    log = stubbed
+    _, _, _, h0, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)  # shapes (stubbed)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # read by a CPU gather (GPT-OSS)
+    w = torch.rand(T, K, generator=g)
+
+    def call(go, h):
+        log.clear()
+        saved_kw = dict(gate_up_out=h, router_logits=logits, routing_layout=layout,
+                        overwrite_gate_up_out=overwrite) if saved else {}
+        grads = moe.fused_moe_backward(go, None, *tensors, w, ids, **kw, **saved_kw)
+        inputs = (go, None, *tensors, w, ids, *((h, logits, layout) if saved else ()))
+        return grads, _labels(log, inputs), h.untyped_storage().size() == 0
+
+    def fresh():
+        return torch.randn(T, tensors[0].shape[1]).half(), torch.randn_like(h0)
+
+    for _ in range(2):  # seen once, then recorded
+        call(*fresh())
+    assert len(moe._BACKWARD_PLANS._plans) == 1
+    go, h = fresh()
+    replayed, replayed_log, replayed_freed = call(go, h.clone())
+    plan.enabled = False
+    normal, normal_log, normal_freed = call(go, h.clone())
+    assert replayed_log == normal_log and len(normal_log) >= 5
+    assert replayed_freed == normal_freed == overwrite
+    assert len(replayed) == len(normal) == 7
+    for r, n in zip(replayed, normal):
+        assert (r is None) == (n is None) and (r is None or (r.shape, r.dtype) == (n.shape, n.dtype))
 
 
 def test_each_signature_has_its_own_plan(stubbed, monkeypatch):
