@@ -5,8 +5,8 @@
 At a few tokens the GPU work is microseconds, so a loop of calls without synchronisation runs at
 the speed of the host: the time per call is the Python + launch cost. Measured for the forward op, the
 backward op (alone, and reading what the training forward saved, as autograd calls it) and autograd
-forward+backward (each also with Triton's own launch path, `launch.fast_launch = False`, against mok's
-`Launcher`), one launch of a small kernel both ways, and a few torch calls for scale (Qwen3-30B-A3B layer
+forward+backward (each also without launch plans, `plan.enabled = False`, and with Triton's own launch path,
+`launch.fast_launch = False`, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch calls for scale (Qwen3-30B-A3B layer
 shape, bf16).
 """
 
@@ -19,7 +19,7 @@ import torch
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from benchmarks.moe_layer import SHAPES
-from mok_compile.kernels import launch
+from mok_compile.kernels import launch, plan
 from tests.kernels.cases import make_case
 
 
@@ -44,9 +44,10 @@ def per_call_us(fn, reps=300) -> float:
 def launch_times(fn, reps=200) -> dict:
     """{kernel name: (host us per call of fn spent launching it, launches per call)}: the time inside
     `Launcher.run` (mok's launch path: Triton's own launch the first time per argument key, then the
-    direct one)."""
+    direct one), with launch plans off (a plan's replay launches without `Launcher.run`)."""
     Launcher = launch.Launcher
     spent, run = {}, Launcher.run
+    planned, plan.enabled = plan.enabled, False
 
     def timed(self, *a, **k):
         t0 = time.perf_counter()
@@ -62,7 +63,7 @@ def launch_times(fn, reps=200) -> dict:
         for _ in range(reps):
             fn()
     finally:
-        Launcher.run = run
+        Launcher.run, plan.enabled = run, planned
     torch.cuda.synchronize()
     return {name: (t / reps * 1e6, n // reps) for name, (t, n) in spent.items()}
 
@@ -106,18 +107,21 @@ def main():
     }
     ops = list(rows)[:4]
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, T={args.tokens}")
-    print("| call | host us per call | with Triton's launch |\n|---|---|---|")
+    print("| call | host us per call | without launch plans | with Triton's launch |\n|---|---|---|---|")
     host_us = {}
     for name, fn in rows.items():
         host_us[name] = per_call_us(fn)
-        slow = ""
-        if name in ops:  # the same call through Triton's own launch path
+        unplanned = slow = ""
+        if name in ops:  # the same call without plans, and through Triton's own launch path
+            planned, plan.enabled = plan.enabled, False
             fast, launch.fast_launch = launch.fast_launch, False
             try:
                 slow = f"{per_call_us(fn):.1f}"
+                launch.fast_launch = fast
+                unplanned = f"{per_call_us(fn):.1f}"
             finally:
-                launch.fast_launch = fast  # as it was (MOK_FAST_LAUNCH=0 keeps it off)
-        print(f"| {name} | {host_us[name]:.1f} | {slow} |", flush=True)
+                plan.enabled, launch.fast_launch = planned, fast  # as they were (MOK_* variables keep them off)
+        print(f"| {name} | {host_us[name]:.1f} | {unplanned} | {slow} |", flush=True)
     for name in ops[:3]:
         per_kernel = launch_times(rows[name], reps=200 if args.launch_times else 1)
         line = f"{name}: {sum(n for _, n in per_kernel.values())} Triton launches"

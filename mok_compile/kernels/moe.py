@@ -226,6 +226,12 @@ def _saved_logits(router_logits, T, E, kw):
     return router_logits
 
 
+def _kept_logits(logits, router, E, kw):
+    """The logits `save_gate_up` keeps for the backward: [0, E] where the router argument is the logits (an
+    output is never an input's alias)."""
+    return router.new_empty((0, E)) if kw["router_is_logits"] else logits
+
+
 _FORWARD_PLANS = plan.PlanCache()
 
 
@@ -255,14 +261,13 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
         weights_dtype=weights_dtype)
-    kept_logits = logits if not kw["router_is_logits"] else router.new_empty((0, E))  # never an input's alias
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
         if not save_gate_up:
             return out
         layout = torch.zeros(layout_size(E, 0), dtype=torch.int32, device=x.device)
-        return out + (x.new_empty((0, gate_up_cols)), kept_logits, layout)
+        return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, E, kw), layout)
     disp = Dispatch(ids, chunk_counts, E, block_t)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
@@ -293,7 +298,9 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
               gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=kw,
               cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
         out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype)
-    return (out, w, ids, h, kept_logits, disp.layout) if save_gate_up else (out, w, ids)
+    if not save_gate_up:
+        return out, w, ids
+    return out, w, ids, h, _kept_logits(logits, router, E, kw), disp.layout
 
 
 _BACKWARD_PLANS = plan.PlanCache()

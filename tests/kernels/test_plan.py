@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mok_compile.kernels import launch, moe, plan
-from tests.kernels.cases import make_case
+from tests.kernels.cases import VARIANTS as CASE_VARIANTS, make_case
 
 
 class _Logged:
@@ -159,6 +159,20 @@ def test_each_signature_has_its_own_plan(stubbed, monkeypatch):
     assert len(moe._FORWARD_PLANS._plans) == 4
 
 
+def test_the_tf32_setting_is_in_the_signature(stubbed):
+    """The router GEMM's cuBLAS call reads it: a plan recorded under one setting must not replay under the other."""
+    tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (False, True):
+            matmul.allow_tf32 = allow
+            for _ in range(2):
+                moe.fused_moe_forward(tensors[0].clone(), *tensors[1:], **kw)
+    finally:
+        matmul.allow_tf32 = before
+    assert len(moe._FORWARD_PLANS._plans) == 2
+
+
 def test_a_path_that_reads_a_value_on_the_host_is_not_planned(stubbed, monkeypatch):
     tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
     real_logits = moe._logits
@@ -196,3 +210,62 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN"}  # read once, into module variables the plan cache checks
     assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)
     assert "MOK_TMA" in read  # the pattern finds them
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """Plans on, empty caches."""
+    monkeypatch.setattr(plan, "enabled", True)
+    monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
+    monkeypatch.setattr(moe, "_BACKWARD_PLANS", plan.PlanCache())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", sorted(CASE_VARIANTS))
+def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans, variant):
+    """On the GPU, real kernels: the third call of a signature (a replay) gives what plans off give on the same
+    inputs, forward (inference and training) and backward (recomputing, reading the saved tensors, consuming
+    h), each call on fresh inputs of the same signature with another routing."""
+    T, H, I, E, K = 300, 192, 96, 16, 4
+    _, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
+
+    def inputs(seed):
+        fresh, _ = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda", seed=seed)
+        return fresh
+
+    def step(tensors):
+        out = moe.fused_moe_forward(*tensors, **kw)
+        tout, tw, tids, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+        go = torch.randn(tout.shape, dtype=tout.dtype, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        recomputed = moe.fused_moe_backward(go, None, *tensors, tw, tids, **kw)
+        saved = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h.clone(), router_logits=logits,
+                                       routing_layout=layout, **kw)
+        consumed = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h, router_logits=logits,
+                                          routing_layout=layout, overwrite_gate_up_out=True, **kw)
+        return [*out, tout, tw, tids, *recomputed, *saved, *consumed], h.untyped_storage().size()
+
+    for seed in (1, 2):  # seen once, then recorded
+        step(inputs(seed))
+    assert len(moe._FORWARD_PLANS._plans) == 2 and len(moe._BACKWARD_PLANS._plans) == 3
+    tensors = inputs(3)
+    replayed, replayed_h = step(tensors)
+    plan.enabled = False
+    normal, normal_h = step(tensors)
+    assert replayed_h == normal_h == 0  # the consuming backward freed h in both
+    for r, n in zip(replayed, normal, strict=True):
+        assert (r is None) == (n is None)
+        if r is not None:
+            assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
+            assert torch.equal(r, n)
+
+
+def test_a_detach_the_call_returns_stays_a_detach(stubbed):
+    """Replays run a detach as an alias of its input, except where the call returns it: the caller must not get
+    the input's autograd state back."""
+    cache = plan.PlanCache()
+    x = torch.randn(4, requires_grad=True)
+    outs = [cache.call(lambda: (x.detach(), x.detach() * 2), (x,), ()) for _ in range(3)]
+    assert len(cache._plans) == 1
+    assert all(not t.requires_grad and t._base is None or t._base is not x for out in outs for t in out)
+    assert torch.equal(outs[2][0], x.detach()) and outs[2][0] is not x
