@@ -35,10 +35,9 @@ def _use_triton(x):
 
 
 def fused_moe_cuda(*args, **kw):
-    kw = library.checked_kwargs(args, kw)
     if not _use_triton(args[0]):
-        return reference.fused_moe_reference(*args, **kw)
-    return _kernels().fused_moe_forward(*args, **kw)
+        return reference.fused_moe_reference(*args, **library.checked_kwargs(args, kw))
+    return _kernels().fused_moe_forward(*args, **kw)  # checks its inputs (`moe._forward`)
 
 
 def saves_gate_up(x, gate_up_proj, down_proj, kw) -> bool:
@@ -49,7 +48,7 @@ def saves_gate_up(x, gate_up_proj, down_proj, kw) -> bool:
 
 
 def fused_moe_train_cuda(*args, **kw):
-    kw = library.checked_kwargs(args, kw)
+    kw = with_defaults(kw)
     if not saves_gate_up(args[0], args[4], args[6], kw):
         raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
                            "mok_compile.kernels.saves_gate_up holds (Triton kernels, not weight-on-input)")

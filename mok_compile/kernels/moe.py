@@ -50,6 +50,7 @@ import os
 import torch
 
 from ..ops import reference
+from ..ops.library import check_inputs
 from ..ops.spec import with_defaults
 from . import activation_pass, configs, cutlass_gemm, plan, router_gemm
 from .activation import activation_code
@@ -250,6 +251,9 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
 
 def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
              save_gate_up, **kw):
+    # Checked here, on the normal path only: a plan's signature fixes everything the check reads.
+    check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
+                 down_bias, **kw)
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)

@@ -11,14 +11,15 @@ arguments on a later call's tensors, skipping the Python in between.
 That is exact only where the call signature fixes everything the normal path reads besides tensor data and
 addresses: each input's shape, strides, dtype, device, 16-byte alignment (what Triton specialises pointers
 on; the allocator's blocks and the views into them keep theirs) and whether it is a view, the options, the
-MOK_* switches, the TF32 setting and the current device (`signature`). A path that reads anything else cannot be planned: a tensor the
+MOK_* switches, the TF32 setting, the current device and CUDA autocast (which changes the dtypes of the torch
+ops inside) (`signature`). A path that reads anything else cannot be planned: a tensor the
 recorder did not see made, an op returning a non-tensor, a launch through Triton's own path (launch hooks,
 `launch.fast_launch` off). The recording then fails and the call goes on unrecorded (the recorder never
 interrupts it: an entry point may write its inputs, so it could not run again). Side effects that are no aten
 ops (freeing a tensor's storage) go through `effect`, which the recording sees.
 
 A signature is recorded on its second call (a signature seen once costs nothing extra), and the cache keeps the
-64 most recently used plans. MOK_LAUNCH_PLAN=0 at import (`plan.enabled = False` at run time) turns plans off.
+64 most recently used plans. A signature whose recording failed twice is not recorded again. MOK_LAUNCH_PLAN=0 at import (`plan.enabled = False` at run time) turns plans off.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ enabled = os.environ.get("MOK_LAUNCH_PLAN", "1") != "0"
 SWITCHES = ("MOK_TMA", "MOK_GROUP_M", "MOK_HALF_TAIL", "MOK_GEMM_ENGINE", "MOK_ROUTER_GEMM",
             "MOK_RECOMPUTE_GATE_UP", "TRITON_INTERPRET")
 _MAX_PLANS = 64
+_MAX_FAILURES = 2  # failed recordings of a signature before it is left unplanned
 
 
 class Unplannable(Exception):
@@ -69,7 +71,9 @@ def signature(tensors, options) -> tuple:
     return (tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0,
                                            t._is_view())
                    for t in tensors]),
-            options, _switches(), torch._C._get_cublas_allow_tf32(), torch._C._cuda_getDevice())
+            options, _switches(), torch._C._get_cublas_allow_tf32(), torch._C._cuda_getDevice(),
+            torch._C._is_any_autocast_enabled() and (torch.is_autocast_enabled("cuda"),
+                                                     torch.get_autocast_dtype("cuda")))
 
 
 class PlanCache:
@@ -92,14 +96,22 @@ class PlanCache:
             return run()
         plan = self._plans.get(sig)
         if plan is not None:
-            self._plans.move_to_end(sig)
+            try:
+                self._plans.move_to_end(sig)
+            except KeyError:  # dropped by another thread since: it still replays here
+                pass
             return plan.replay(tensors)
-        if sig not in self._seen:
-            _remember(self._seen, sig, None, self._max)
+        failures = self._seen.get(sig)
+        if failures is None:
+            _remember(self._seen, sig, 0, self._max)
+            return run()
+        if failures >= _MAX_FAILURES:  # recording costs a Python dispatch per op: stop trying
             return run()
         plan, result = Plan.record(run, tensors)
         if plan is not None:
             _remember(self._plans, sig, plan, self._max)
+        else:
+            self._seen[sig] = failures + 1
         return result
 
     def clear(self):

@@ -173,6 +173,19 @@ def test_the_tf32_setting_is_in_the_signature(stubbed):
     assert len(moe._FORWARD_PLANS._plans) == 2
 
 
+def test_cuda_autocast_is_in_the_signature(stubbed, monkeypatch):
+    """Autocast changes the dtypes of the torch ops inside (the router's F.linear), which the kernels after them
+    are specialised on: a plan recorded outside it must not replay inside, nor one of another dtype."""
+    tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    for state in (None, torch.float16, torch.bfloat16):
+        monkeypatch.setattr(torch._C, "_is_any_autocast_enabled", lambda: state is not None)
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: state is not None)
+        monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: state)
+        for _ in range(2):
+            moe.fused_moe_forward(tensors[0].clone(), *tensors[1:], **kw)
+    assert len(moe._FORWARD_PLANS._plans) == 3
+
+
 def test_a_path_that_reads_a_value_on_the_host_is_not_planned(stubbed, monkeypatch):
     tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
     real_logits = moe._logits
@@ -182,10 +195,14 @@ def test_a_path_that_reads_a_value_on_the_host_is_not_planned(stubbed, monkeypat
         return real_logits(x, *args)
 
     monkeypatch.setattr(moe, "_logits", logits_and_a_host_read)
-    for _ in range(3):
+    recordings = []
+    record = plan.Plan.record.__func__
+    monkeypatch.setattr(plan.Plan, "record", classmethod(lambda cls, *a: recordings.append(1) or record(cls, *a)))
+    for _ in range(6):
         out = moe.fused_moe_forward(tensors[0], *tensors[1:], **kw)
         assert len(out) == 3
     assert not moe._FORWARD_PLANS._plans
+    assert len(recordings) == plan._MAX_FAILURES  # then the signature is left unplanned: recording costs time
 
 
 def test_no_plan_while_a_launch_hook_is_set(stubbed, monkeypatch):
@@ -269,3 +286,34 @@ def test_a_detach_the_call_returns_stays_a_detach(stubbed):
     assert len(cache._plans) == 1
     assert all(not t.requires_grad and t._base is None or t._base is not x for out in outs for t in out)
     assert torch.equal(outs[2][0], x.detach()) and outs[2][0] is not x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_replay_under_autocast_equals_the_normal_path(fresh_plans):
+    """A plan recorded outside autocast is not replayed inside it; inside, the replay equals the normal path."""
+    tensors, kw = make_case("qwen3", T=300, H=192, I=96, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    outside = [moe.fused_moe_forward(*tensors, **kw) for _ in range(2)]
+    with torch.autocast("cuda", dtype=torch.float16):
+        replayed = [moe.fused_moe_forward(*tensors, **kw) for _ in range(3)][-1]
+        assert len(moe._FORWARD_PLANS._plans) == 2
+        plan.enabled = False
+        normal = moe.fused_moe_forward(*tensors, **kw)
+    for r, n in zip(replayed, normal, strict=True):
+        assert r.dtype == n.dtype and torch.equal(r, n)
+    assert all(o.dtype == n.dtype for o, n in zip(outside[1], normal))
+
+
+def test_bad_inputs_are_still_refused_once_a_plan_exists(stubbed):
+    """The forward checks its inputs on the normal path only (a plan's signature fixes all the check reads): an
+    input the check refuses has another signature, so it is checked, however many plans exist."""
+    tensors, kw = make_case("qwen3", T=16, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    for _ in range(3):
+        moe.fused_moe_forward(*tensors, **kw)
+    assert len(moe._FORWARD_PLANS._plans) == 1
+    bad = list(tensors)
+    bad[4] = tensors[4][:, :, :-1]  # gate_up_proj one column short of H
+    for _ in range(3):
+        with pytest.raises(ValueError, match="gate_up_proj has shape"):
+            moe.fused_moe_forward(*bad, **kw)
+    assert len(moe._FORWARD_PLANS._plans) == 1
