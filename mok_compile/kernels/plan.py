@@ -395,6 +395,9 @@ class Plan:
         return cls(recorder.steps, template, len(tensors)), result
 
     def replay(self, tensors):
+        # The launches and ops run in functions of their own: a local of this loop holding a step's tensors
+        # would keep one released below alive into the next steps (peak memory: one [T*K, H] buffer more at the
+        # CUTLASS backward's dgrad, measured).
         slots = list(tensors)
         stream = None
         for step, release in zip(self.steps, self.release):
@@ -406,30 +409,35 @@ class Plan:
             elif kind is _EFFECT:
                 step[1](slots[step[2]])
             elif kind is _LAUNCH:
-                launch_step = step[1]
-                values = list(launch_step.values)
-                for i, index in launch_step.tensor_at:
-                    values[i] = slots[index]
-                for i, d in launch_step.desc_at:
-                    values[i] = TensorDescriptor(slots[d.slot], d.shape, d.strides, d.block_shape, d.padding)
                 if stream is None:
                     stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-                kernel = launch_step.kernel
-                kernel.run(*launch_step.grid, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                           *values)
+                _launch(step[1], slots, stream)
             else:
-                op = step[1]
-                args, kwargs = op.fill(slots)
-                out = op.func(*args, **kwargs)
-                flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-                for index, v in zip(op.out_slots, flat):
-                    if index == len(slots):  # a new tensor (an in-place op's output already has its slot)
-                        slots.append(v)
+                _run_op(step[1], slots)
             for index in release:
                 slots[index] = None
         if self.result_tuple:
             return tuple([slots[i] for i in self.result_slots])
         return _fill(self.result, slots)
+
+
+def _launch(step, slots, stream):
+    values = list(step.values)
+    for i, index in step.tensor_at:
+        values[i] = slots[index]
+    for i, d in step.desc_at:
+        values[i] = TensorDescriptor(slots[d.slot], d.shape, d.strides, d.block_shape, d.padding)
+    kernel = step.kernel
+    kernel.run(*step.grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *values)
+
+
+def _run_op(op, slots):
+    args, kwargs = op.fill(slots)
+    out = op.func(*args, **kwargs)
+    flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+    for index, v in zip(op.out_slots, flat):
+        if index == len(slots):  # a new tensor (an in-place op's output already has its slot)
+            slots.append(v)
 
 
 _CALL, _ALIAS, _OP, _LAUNCH, _EFFECT = "call", "alias", "op", "launch", "effect"

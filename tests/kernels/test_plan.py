@@ -317,3 +317,74 @@ def test_bad_inputs_are_still_refused_once_a_plan_exists(stubbed):
         with pytest.raises(ValueError, match="gate_up_proj has shape"):
             moe.fused_moe_forward(*bad, **kw)
     assert len(moe._FORWARD_PLANS._plans) == 1
+
+
+def test_a_replay_drops_each_tensor_after_its_last_read(stubbed, monkeypatch):
+    """No tensor outlives its last read in a replay: a local of the replay loop once kept the last op's arguments
+    alive into the next allocation (at T=4096 the backward's peak memory rose by one [T*K, H] buffer)."""
+    import weakref
+
+    cache = plan.PlanCache()
+    x = torch.randn(64)
+
+    def run():
+        a = x + 1
+        b = a * 2  # a's last read
+        del a
+        return b, torch.empty(64)  # allocated once a is dead
+
+    for _ in range(2):
+        cache.call(run, (x,), ())
+    (recorded,) = cache._plans.values()
+    mul = next(s[1] for s in recorded.steps if s[0] == "op" and s[1].func is torch.ops.aten.mul.Tensor)
+    seen, real_mul, real_empty = [], mul.func, torch.empty
+
+    def mul_and_watch(a, *args, **kwargs):
+        seen.append(weakref.ref(a))
+        return real_mul(a, *args, **kwargs)
+
+    def empty_once_a_is_dead(*args, **kwargs):
+        assert seen and seen[-1]() is None, "the replay kept a tensor alive past its last read"
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(mul, "func", mul_and_watch)
+    monkeypatch.setattr(torch, "empty", empty_once_a_is_dead)
+    b, _ = cache.call(run, (x,), ())
+    assert len(seen) == 1 and torch.equal(b, (x + 1) * 2)
+
+
+def _peak_bytes(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("engine", ["triton", "cutlass"])
+def test_a_replay_peaks_no_higher_than_the_normal_path(fresh_plans, monkeypatch, engine):
+    """Peak memory of the training forward and of the consuming backward, replayed against plans off, with each
+    engine forced (CUTLASS's backward makes [T*K, H] sorted copies and drops them after their last use)."""
+    monkeypatch.setenv("MOK_GEMM_ENGINE", engine)
+    T, H, I, E, K = 1024, 512, 256, 8, 2
+    tensors, kw = make_case("qwen3", T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
+    go = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
+    out, w, ids, h0, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+
+    def forward():
+        moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+
+    def backward():
+        moe.fused_moe_backward(go, None, *tensors, w, ids, **kw, gate_up_out=h0.clone(), router_logits=logits,
+                               routing_layout=layout, overwrite_gate_up_out=True)
+
+    for fn in (forward, backward):
+        peaks = [_peak_bytes(fn) for _ in range(4)]  # normal, recorded, replayed twice
+        plan.enabled = False
+        normal = _peak_bytes(fn)
+        plan.enabled = True
+        assert max(peaks[2:]) <= normal, (fn.__name__, peaks, normal)
+    assert len(moe._FORWARD_PLANS._plans) == 1 and len(moe._BACKWARD_PLANS._plans) == 1
