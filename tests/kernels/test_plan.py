@@ -388,3 +388,13 @@ def test_a_replay_peaks_no_higher_than_the_normal_path(fresh_plans, monkeypatch,
         plan.enabled = True
         assert max(peaks[2:]) <= normal, (fn.__name__, peaks, normal)
     assert len(moe._FORWARD_PLANS._plans) == 1 and len(moe._BACKWARD_PLANS._plans) == 1
+
+
+def test_an_unhashable_option_runs_the_normal_path(stubbed):
+    cache = plan.PlanCache()
+    x = torch.randn(8)
+    runs = []
+    for _ in range(3):
+        out = cache.call(lambda: runs.append(1) or x * 2, (x,), ([1, 2],))
+        assert torch.equal(out, x * 2)
+    assert len(runs) == 3 and not cache._plans and not cache._seen
