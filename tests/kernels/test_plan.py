@@ -353,21 +353,14 @@ def test_a_replay_drops_each_tensor_after_its_last_read(stubbed, monkeypatch):
     assert len(seen) == 1 and torch.equal(b, (x + 1) * 2)
 
 
-def _peak_bytes(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("engine", ["triton", "cutlass"])
 def test_a_replay_peaks_no_higher_than_the_normal_path(fresh_plans, monkeypatch, engine):
     """Peak memory of the training forward and of the consuming backward, replayed against plans off, with each
     engine forced (CUTLASS's backward makes [T*K, H] sorted copies and drops them after their last use)."""
+    from benchmarks.moe_layer import peak_bytes
+
     monkeypatch.setenv("MOK_GEMM_ENGINE", engine)
     T, H, I, E, K = 1024, 512, 256, 8, 2
     tensors, kw = make_case("qwen3", T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
@@ -382,9 +375,9 @@ def test_a_replay_peaks_no_higher_than_the_normal_path(fresh_plans, monkeypatch,
                                routing_layout=layout, overwrite_gate_up_out=True)
 
     for fn in (forward, backward):
-        peaks = [_peak_bytes(fn) for _ in range(4)]  # normal, recorded, replayed twice
+        peaks = [peak_bytes(fn) for _ in range(4)]  # normal, recorded, replayed twice
         plan.enabled = False
-        normal = _peak_bytes(fn)
+        normal = peak_bytes(fn)
         plan.enabled = True
         assert max(peaks[2:]) <= normal, (fn.__name__, peaks, normal)
     assert len(moe._FORWARD_PLANS._plans) == 1 and len(moe._BACKWARD_PLANS._plans) == 1
