@@ -6,8 +6,8 @@ At a few tokens the GPU work is microseconds, so a loop of calls without synchro
 the speed of the host: the time per call is the Python + launch cost. Measured for the forward op, the
 backward op (alone, and reading what the training forward saved, as autograd calls it) and autograd
 forward+backward (each also without launch plans, `plan.enabled = False`, and with Triton's own launch path,
-`launch.fast_launch = False`, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch calls for scale (Qwen3-30B-A3B layer
-shape, bf16).
+`launch.fast_launch = False`, against mok's `Launcher`), one launch of a small kernel both ways, and a few torch
+calls for scale (Qwen3-30B-A3B layer shape, bf16).
 """
 
 from __future__ import annotations

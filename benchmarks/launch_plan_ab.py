@@ -26,7 +26,7 @@ from tests.kernels.cases import make_case
 
 def alternate(fn, blocks=24, calls=30) -> dict:
     """{plans on?: median us per call} over `blocks` alternating blocks."""
-    res = {True: [], False: []}
+    res, before = {True: [], False: []}, plan.enabled
     for on in (True, False):
         plan.enabled = on
         for _ in range(10):
@@ -40,7 +40,7 @@ def alternate(fn, blocks=24, calls=30) -> dict:
                 fn()
             torch.cuda.synchronize()
             res[on].append((time.perf_counter() - t0) / calls * 1e6)
-    plan.enabled = True
+    plan.enabled = before
     return {on: statistics.median(v) for on, v in res.items()}
 
 

@@ -19,7 +19,8 @@ interrupts it: an entry point may write its inputs, so it could not run again). 
 ops (freeing a tensor's storage) go through `effect`, which the recording sees.
 
 A signature is recorded on its second call (a signature seen once costs nothing extra), and the cache keeps the
-64 most recently used plans. A signature whose recording failed twice is not recorded again. MOK_LAUNCH_PLAN=0 at import (`plan.enabled = False` at run time) turns plans off.
+64 most recently used plans. A signature whose recording failed twice is not recorded again. MOK_LAUNCH_PLAN=0
+at import (`plan.enabled = False` at run time) turns plans off.
 """
 
 from __future__ import annotations

@@ -23,7 +23,15 @@ class _Logged:
 
 
 @pytest.fixture
-def stubbed(monkeypatch):
+def fresh_plans(monkeypatch):
+    """Plans on, empty caches."""
+    monkeypatch.setattr(plan, "enabled", True)
+    monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
+    monkeypatch.setattr(moe, "_BACKWARD_PLANS", plan.PlanCache())
+
+
+@pytest.fixture
+def stubbed(monkeypatch, fresh_plans):
     """Launches logged, not run; plans allowed on CPU tensors; fresh plan caches."""
     log = []
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
@@ -31,9 +39,6 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(launch, "fast_launch", True)
     monkeypatch.setattr(launch, "_LAUNCHERS", {})
     monkeypatch.setattr(plan, "_plannable", lambda x: True)
-    monkeypatch.setattr(plan, "enabled", True)
-    monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
-    monkeypatch.setattr(moe, "_BACKWARD_PLANS", plan.PlanCache())
 
     class Compiled(dict):
         def __init__(self, name):
@@ -227,14 +232,6 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN"}  # read once, into module variables the plan cache checks
     assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)
     assert "MOK_TMA" in read  # the pattern finds them
-
-
-@pytest.fixture
-def fresh_plans(monkeypatch):
-    """Plans on, empty caches."""
-    monkeypatch.setattr(plan, "enabled", True)
-    monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
-    monkeypatch.setattr(moe, "_BACKWARD_PLANS", plan.PlanCache())
 
 
 @pytest.mark.gpu
