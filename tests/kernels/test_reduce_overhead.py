@@ -1,0 +1,70 @@
+"""`torch.compile(model, backend="mok", mode="reduce-overhead")` on a GPU: the README's advice for small batches.
+
+Inductor's cudagraph trees capture the compiled graphs, the fused op and its launch plans inside them (the op
+has no host sync), and replay them with the inputs copied into static buffers. On fresh inputs every step, the
+replayed logits, loss and gradients must equal, bit for bit, those of the same compile without CUDA graphs: a
+replay that read a stale input, or a launch plan recorded against another step's tensors, would differ.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from mok_compile.backend import mok_backend
+from mok_compile.demo import make_causal_lm
+from tests.backend.helpers import token_ids
+
+pytestmark = pytest.mark.gpu
+STEPS = 4  # cudagraph trees warm up, record, then replay: the last steps are replays
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """How many CUDA graph replays run (cudagraph trees replay through torch.cuda.CUDAGraph.replay)."""
+    count = [0]
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(graph):
+        count[0] += 1
+        return replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    return count
+
+
+def _steps(model, mode, train):
+    """Per step on fresh token ids: the logits, and when training the loss and every gradient (cloned: the next
+    replay overwrites the static outputs)."""
+    torch._dynamo.reset()
+    fused = counters["mok"]["fused_moe"]
+    fn = torch.compile(model, backend=mok_backend, mode=mode)
+    results = []
+    for step in range(STEPS):
+        ids = token_ids(batch=2, seq=40, seed=step + 1).to(model.device)
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            out = fn(ids, labels=ids if train else None)
+            got = [out.logits.detach().clone()]
+            if train:
+                out.loss.backward()
+                got += [out.loss.detach().clone()] + [p.grad.clone() for p in model.parameters()]
+        results.append(got)
+    assert counters["mok"]["fused_moe"] - fused == model.config.num_hidden_layers, "not every MoE layer was fused"
+    return results
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_reduce_overhead_replays_equal_the_plain_compile(family, train, replays):
+    model = make_causal_lm(family, num_layers=2, dtype=torch.bfloat16, device="cuda").train(train)
+    want = _steps(model, None, train)
+    assert replays[0] == 0
+    skips = counters["inductor"]["cudagraph_skips"]
+    got = _steps(model, "reduce-overhead", train)
+    assert counters["inductor"]["cudagraph_skips"] == skips, "inductor skipped CUDA graphs for the fused graph"
+    assert replays[0] >= STEPS - 2, "the compiled model did not replay from CUDA graphs"
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {step}, output {i} differs from the compile without CUDA graphs"
