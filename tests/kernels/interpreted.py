@@ -28,13 +28,17 @@ def start_interpreted(argv: list):
         _STARTED[tuple(argv)] = (proc, out, err, time.monotonic())
 
 
+def _kill(proc):
+    proc.kill()
+    proc.wait()
+
+
 def stop_started(argv: list | None = None):
     """Kill what `start_interpreted` started (`argv`'s run, or all) and nobody waited for: a session that ended
     early."""
     for key in [tuple(argv)] if argv is not None else list(_STARTED):
         proc, out, err, _ = _STARTED.pop(key)
-        proc.kill()
-        proc.wait()
+        _kill(proc)
         out.close()
         err.close()
 
@@ -52,8 +56,7 @@ def interpreted_stdout(argv: list, timeout: float = 300) -> str:
     try:
         proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        _kill(proc)
         raise
     finally:
         out.seek(0)
