@@ -1,5 +1,6 @@
 """Block-size data and its tools, on the CPU: the tuned table (`configs.json`) and which GPUs take it, the
-tuner's filters and the half-height-tail switch. (The tuner's candidates may exceed shared memory: it skips those that fail.)"""
+tuner's filters and the half-height-tail switch. (The tuner's candidates may exceed shared memory: it skips those
+that fail.)"""
 
 import torch
 
