@@ -6,7 +6,9 @@ Times each kernel (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad) alone, on t
 layer sizes, for a few candidate configs per row-count bucket, and keeps the fastest. Candidates are
 first compiled in parallel worker processes (Triton's on-disk cache), then timed one at a time in
 this process so that timings never overlap. Run on the target GPU; commit the JSON as data.
-With --kernels / --buckets only those entries are timed (and written): merge them by hand.
+With --kernels / --buckets only those entries are timed (and written): merge them by hand. The kernels are timed
+alone on this module's routing, which is not a real layer's: check a new table against the old one in the layer
+with `python -m benchmarks.configs_ab OLD.json NEW.json` before committing it (NOTES v23 (1)).
 """
 
 from __future__ import annotations
