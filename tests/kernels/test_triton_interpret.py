@@ -75,13 +75,22 @@ def test_forward_matches_reference(interpreter_results):
         assert res["out_err"] < tol, res
 
 
+def _grad_tol(case: str, name: str) -> float:
+    """The fp16 backward stores d(h) and per-pair d(x) in fp16 before the fp32 reductions (and the training path
+    reads h rounded to fp16). d(router bias) sums d(logits) over the tokens, terms of both signs (under softmax
+    routing each token's d(logits) sums to zero): its norm is small next to its terms, so the same rounding gives it
+    a larger relative error (3.2e-3 with one seed of the GPT-OSS case's saved path, at most 1.6e-3 over 40
+    others); fp32 holds it to 1e-5 like the rest."""
+    if case.endswith("float32"):
+        return 1e-5
+    return 1e-2 if name == "drouter_bias" else 3e-3
+
+
 def test_backward_matches_reference(interpreter_results):
     for res in interpreter_results:
-        # The fp16 backward stores d(h) and per-pair d(x) in fp16 before the fp32 reductions.
-        tol = 1e-5 if res["case"].endswith("float32") else 3e-3
         assert not res["grad_missing"], res
         for name, err in res["grad_err"].items():
-            assert err < tol, (name, res)
+            assert err < _grad_tol(res["case"], name), (name, res)
 
 
 def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
@@ -90,10 +99,9 @@ def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
     saved = [res for res in interpreter_results if "grad_err_saved" in res]
     assert saved
     for res in saved:
-        tol = 1e-5 if res["case"].endswith("float32") else 3e-3
         assert res["saved_out_equal"] and res["h_unchanged"] and res["consume_equal"], res
         for name, err in res["grad_err_saved"].items():
-            assert err < tol, (name, res)
+            assert err < _grad_tol(res["case"], name), (name, res)
 
 
 def test_backward_from_saved_routing_recomputes_none_of_it(interpreter_results):
