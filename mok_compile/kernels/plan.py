@@ -92,10 +92,9 @@ class PlanCache:
             return run()
         try:
             sig = signature(tensors, options)
-            hash(sig)
+            plan = self._plans.get(sig)  # hashes sig (a tuple: not cached, so once here rather than twice)
         except TypeError:  # an unhashable option: no plan
             return run()
-        plan = self._plans.get(sig)
         if plan is not None:
             try:
                 self._plans.move_to_end(sig)
