@@ -6,15 +6,13 @@ import torch
 
 from benchmarks.configs_ab import use_table
 from mok_compile.kernels import configs, moe
+from tests.kernels.test_configs import gpu_like
 
 
 def test_use_table_switches_the_configs_and_drops_the_launch_plans(tmp_path, monkeypatch):
     """After `use_table(path)` the op's configs come from `path`, and no plan recorded under the other table (whose
     signature does not cover the table) replays."""
-    monkeypatch.setattr(configs, "_device_name", lambda device: "NVIDIA H200")
-    for switch in ("TRITON_INTERPRET", "MOK_TMA", "MOK_GROUP_M"):
-        monkeypatch.delenv(switch, raising=False)
-    dev = torch.device("cuda", 0)
+    dev = gpu_like(monkeypatch, "NVIDIA H200", (9, 0))
     mine = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
     path = tmp_path / "configs.json"
     path.write_text(json.dumps({"NVIDIA H200": {"gate_up/16bit/m256": mine}}))

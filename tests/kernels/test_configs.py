@@ -55,7 +55,7 @@ def test_half_tail_switch(monkeypatch):
     assert configs.half_tail(64) and configs.half_tail(32) and not configs.half_tail(16)
 
 
-def _gpu(monkeypatch, name, cap):
+def gpu_like(monkeypatch, name, cap):
     """configs as on a CUDA device called `name` of compute capability `cap` (no GPU needed)."""
     monkeypatch.setattr(configs, "_device_name", lambda device: name)
     monkeypatch.setattr(configs, "capability", lambda device: cap)
@@ -68,11 +68,11 @@ def _gpu(monkeypatch, name, cap):
 def test_a_gpu_without_a_table_takes_its_architectures(monkeypatch):
     """An H100 uses the H200's tuned table (same compute capability); another architecture the heuristic."""
     h200 = configs._tuned()["NVIDIA H200"]
-    dev = _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
+    dev = gpu_like(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
     for kernel in tune.KERNELS:
         assert configs.config(kernel, torch.bfloat16, 256, dev) == h200[f"{kernel}/16bit/m256"], kernel
-    dev = _gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
+    dev = gpu_like(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))
     assert configs.config("gate_up", torch.bfloat16, 256, dev) == configs._DEFAULTS["gate_up"]["m256"]
-    dev = _gpu(monkeypatch, "NVIDIA H200", (9, 0))
+    dev = gpu_like(monkeypatch, "NVIDIA H200", (9, 0))
     assert configs.config("down", torch.float16, 16, dev) == h200["down/16bit/m16"]
     assert configs.config("down", torch.float32, 16, dev) == configs._FP32_DEFAULT["down"]  # fp32: not tuned
