@@ -11,7 +11,9 @@ For each shape and token count T, in bf16 with random weights (std 0.02):
   mok+comp  the user's path: transformers' block under torch.compile(backend="mok") (static shapes),
             which must fuse the block into the op (checked; the run stops otherwise)
 forward (no_grad) and forward+backward (loss = mean(out^2), x and all weights require grad),
-medians of triton.testing.do_bench. The floor is max(FLOPs / measured bf16 matmul rate,
+medians of triton.testing.do_bench, each column timed in --rounds rounds (default 3) after every column is
+compiled and warm, the order reversed every other round; the medians over the rounds are reported.
+The floor is max(FLOPs / measured bf16 matmul rate,
 expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for fwd+bwd) and
 weight bytes read once forward (x3 for fwd+bwd: read twice, gradients written once); both
 ceilings are measured in the same run. Peak memory is torch.cuda.max_memory_allocated over one
@@ -21,8 +23,10 @@ fwd+bwd minus what was allocated before. Writes results.json and speedup.png und
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -191,7 +195,26 @@ def peak_bytes(step) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None):
+def time_in_rounds(timed, rounds, timer=None) -> dict:
+    """{key: [time per round]} for the (key, fn) pairs of `timed`, each timed once per round by `timer` (default
+    `bench`), in the listed order in even rounds and reversed in odd ones."""
+    timer = timer or bench
+    times = collections.defaultdict(list)
+    for r in range(rounds):
+        for key, fn in (timed if r % 2 == 0 else timed[::-1]):
+            times[key].append(timer(fn))
+    return times
+
+
+def _no_grad(fn, x):
+    def run():
+        with torch.no_grad():
+            return fn(x)
+
+    return run
+
+
+def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3):
     family, sizes, overrides, default_tokens = SHAPES[name]
     torch._dynamo.reset()  # each shape compiles afresh; without this, Dynamo's recompile limit is hit and
     # the "compiled" baseline silently runs eager
@@ -214,32 +237,43 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None):
             row["mok_vs_hf_rel_err"] = ((got - ref).norm() / ref.norm()).item()
         if do_profile:
             profile(runners["mok"], x.clone().requires_grad_(), params, f"{name} T={T}")
-        for which, fn in runners.items():
+        steps, graphs = {}, {}
+        for which, fn in runners.items():  # compile, warm up, peak memory; no timing yet
             t0 = time.time()
             for p in params:  # the previous runner's gradients (a DeepSeek-V3 layer's: 22 GB) are not this one's
                 p.grad = None
             torch.cuda.empty_cache()
             fused_before = counters["mok"]["fused_moe"]
             with torch.no_grad():
-                row[f"{which}_fwd_ms"] = bench(lambda: fn(x))
+                fn(x)
             if which == "mok+comp" and counters["mok"]["fused_moe"] == fused_before:
                 raise SystemExit(f"{name} T={T}: backend='mok' fused no MoE block (see "
                                  "mok_compile.diagnostics.explain); its column would time plain inductor")
-            xg = x.clone().requires_grad_()
-            step = fwd_bwd(fn, xg, params)
-            step()  # compile / warm up
-            row[f"{which}_fwd_bwd_ms"] = bench(step)
-            row[f"{which}_fwd_bwd_peak_gb"] = peak_bytes(step) / 1e9
+            steps[which] = fwd_bwd(fn, x.clone().requires_grad_(), params)
+            steps[which]()  # compile / warm up
+            row[f"{which}_fwd_bwd_peak_gb"] = peak_bytes(steps[which]) / 1e9
             if which == "mok":  # GPU time alone: the same work replayed from a CUDA graph (no launch overhead)
                 with torch.no_grad():
-                    g_fwd = graphed(lambda: fn(x))
-                row["mok_graph_fwd_ms"] = bench(g_fwd) if g_fwd else float("nan")
-                g_fb = graphed(step)
-                row["mok_graph_fwd_bwd_ms"] = bench(g_fb) if g_fb else float("nan")
-                del g_fwd, g_fb
+                    graphs["mok_graph_fwd"] = graphed(lambda: fn(x))
+                graphs["mok_graph_fwd_bwd"] = graphed(steps[which])
+            log(f"  {name} T={T} {which}: peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB "
+                f"({time.time() - t0:.0f} s incl. compile)")
+        # Timing in rounds, the order reversed every other round, medians: the GPU's clock moves with its load
+        # (a kernel timed first after an idle spell ran 10-20% faster than the same kernel later, NOTES v24 (5)),
+        # so each column is timed at several points of the run instead of once.
+        timed = [(f"{w}_fwd", _no_grad(fn, x)) for w, fn in runners.items()]
+        timed += [(f"{w}_fwd_bwd", steps[w]) for w in runners]
+        timed += [(k, g) for k, g in graphs.items() if g is not None]
+        times = time_in_rounds(timed, rounds)
+        for key in ("mok_graph_fwd", "mok_graph_fwd_bwd"):
+            times.setdefault(key, [float("nan")])
+        for key, ts in times.items():
+            row[f"{key}_ms"] = statistics.median(ts)
+            row[f"{key}_rounds_ms"] = ts
+        del steps, graphs, timed
+        for which in runners:
             log(f"  {name} T={T} {which}: fwd {row[f'{which}_fwd_ms']:.3f} ms, fwd+bwd "
-                f"{row[f'{which}_fwd_bwd_ms']:.3f} ms, peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB "
-                f"({time.time() - t0:.0f} s incl. compile)"
+                f"{row[f'{which}_fwd_bwd_ms']:.3f} ms (medians of {rounds} rounds)"
                 + (f"; CUDA graph: fwd {row['mok_graph_fwd_ms']:.3f}, fwd+bwd {row['mok_graph_fwd_bwd_ms']:.3f} ms"
                    if which == "mok" else ""))
         rows.append(row)
@@ -305,6 +339,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print torch.profiler tables of mok fwd+bwd")
     ap.add_argument("--mode", default=None, help='torch.compile mode of both compiled columns, e.g. "reduce-overhead" '
                     "(CUDA graphs: at few tokens the eager columns time the host, not the GPU)")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds per column, alternating order (medians)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log_file = open(os.path.join(args.out, "moe_layer.log"), "a")
@@ -322,7 +357,7 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rows = []
     for name in args.shapes.split(","):
-        rows += run_shape(name, tokens, ceilings, log, args.profile, args.mode)
+        rows += run_shape(name, tokens, ceilings, log, args.profile, args.mode, args.rounds)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"ceilings": ceilings, "compile_mode": args.mode, "rows": rows}, f, indent=1)
     plot(rows, os.path.join(args.out, "speedup.png"))

@@ -25,3 +25,18 @@ def test_table_gives_each_speedup_and_the_most_a_kernel_at_the_floor_could_give(
     assert cells[2:10] == ["2.000", "1.200", "0.800", "1.50", "0.750", "1.60", "0.50", "3.00"]
     assert header[10:18] == ["hf f+b", "hf+comp f+b", "mok f+b", "x", "mok+comp f+b", "x", "floor/mok", "x at floor"]
     assert cells[10:18] == ["5.500", "3.400", "2.900", "1.17", "2.850", "1.19", "0.43", "2.72"]
+
+
+def test_time_in_rounds_times_every_column_each_round_in_alternating_order():
+    from benchmarks.moe_layer import time_in_rounds
+
+    calls = []
+
+    def timer(fn):
+        calls.append(fn())
+        return float(len(calls))
+
+    timed = [(key, (lambda k=key: k)) for key in ("a", "b", "c")]
+    times = time_in_rounds(timed, 3, timer)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert dict(times) == {"a": [1.0, 6.0, 7.0], "b": [2.0, 5.0, 8.0], "c": [3.0, 4.0, 9.0]}
