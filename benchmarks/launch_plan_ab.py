@@ -20,26 +20,33 @@ import torch
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from benchmarks.host_overhead import layer_sizes
+from benchmarks.moe_layer import time_in_rounds
 from mok_compile.kernels import plan
 from tests.kernels.cases import make_case
 
 
 def alternate(fn, blocks=24, calls=30) -> dict:
-    """{plans on?: median us per call} over `blocks` alternating blocks."""
-    res, before = {True: [], False: []}, plan.enabled
-    for on in (True, False):
-        plan.enabled = on
-        for _ in range(10):
-            fn()
-    for rnd in range(blocks):
-        for on in ((True, False) if rnd % 2 == 0 else (False, True)):
+    """{plans on?: median us per call} over `blocks` rounds of one block with plans on and one off, the order
+    alternating (`moe_layer.time_in_rounds`)."""
+    before = plan.enabled
+
+    def block(on):
+        def run():
             plan.enabled = on
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-            res[on].append((time.perf_counter() - t0) / calls * 1e6)
+            return (time.perf_counter() - t0) / calls * 1e6
+
+        return run
+
+    for on in (True, False):
+        plan.enabled = on
+        for _ in range(10):
+            fn()
+    res = time_in_rounds([(True, block(True)), (False, block(False))], blocks, timer=lambda run: run())
     plan.enabled = before
     return {on: statistics.median(v) for on, v in res.items()}
 
