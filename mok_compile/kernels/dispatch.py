@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
+from .routing import routing_warps
 
 
 @triton.jit
@@ -109,16 +110,30 @@ class Dispatch:
 
     def __init__(self, topk_ids, chunk_counts, num_experts, block_t):
         T, K = topk_ids.shape
-        n_chunks, block_e = chunk_counts.shape
         layout = torch.empty(layout_size(num_experts, T * K), dtype=torch.int32, device=topk_ids.device)
         self._view(layout, num_experts, K, T * K)
+        self.sort(topk_ids, chunk_counts, block_t)
+
+    @classmethod
+    def unsorted(cls, num_experts, top_k, num_pairs, device) -> "Dispatch":
+        """A Dispatch whose arrays are allocated but not yet written: `routing.route(dispatch=...)` sorts into it."""
+        disp = cls.__new__(cls)
+        disp._view(torch.empty(layout_size(num_experts, num_pairs), dtype=torch.int32, device=device), num_experts,
+                   top_k, num_pairs)
+        return disp
+
+    def sort(self, topk_ids, chunk_counts, block_t):
+        """Write the arrays: scan the chunk counts, then scatter each pair to its sorted position."""
+        T, K = topk_ids.shape
+        n_chunks, block_e = chunk_counts.shape
+        num_experts = self.num_experts
         chunk_off = torch.empty_like(chunk_counts)
         launcher(_scan_kernel)[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, self.expert_end,
                                      n_chunks, num_experts, BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
         if T > 0:
             launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair,
                                                    self.pair_pos, T, num_experts, K=K, BLOCK_T=block_t,
-                                                   BLOCK_E=block_e)
+                                                   BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e))
 
     @classmethod
     def from_layout(cls, layout, num_experts, top_k, num_pairs) -> "Dispatch":

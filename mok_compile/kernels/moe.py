@@ -1,10 +1,11 @@
 """Forward and backward of `mok::fused_moe` on the GPU: the stages launched in order.
 
-Forward (6 Triton launches + the router GEMM; no host synchronisation):
+Forward (6 Triton launches + the router GEMM, 4 where one routing program holds every token (at most 16-64,
+by E); no host synchronisation):
     logits   = x @ Wr^T (+ b)                          cuBLAS, as the HF router computes it (an fp32 router's:
                                                         router_gemm.py, fp32-accurate on the tensor cores)
     route    -> topk_weights, topk_ids, chunk counts    routing.py
-    scan, scatter -> expert-sorted pairs                dispatch.py
+    scan, scatter -> expert-sorted pairs                dispatch.py (in the route launch for one chunk)
     gate_up  act[r] = act(x[tok(r)] @ W1[e])            grouped_gemm.py (gather in A loads, act in epilogue)
     down     y[r] = act[r] @ W2[e] (+ b2)               grouped_gemm.py
     combine  out[t] = sum_k w[t,k] * y[pos(t,k)]        dispatch.py (fixed slot order)
@@ -260,11 +261,12 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     K = kw["top_k"]
     weights_dtype = torch.float32 if kw["weights_fp32"] else x.dtype
     logits = _logits(x, router, router_bias, kw)
-    w, ids, chunk_counts, block_t = route(
+    disp = Dispatch.unsorted(E, K, T * K, x.device) if T > 0 else None
+    w, ids, _, _ = route(
         logits, selection_bias, top_k=K, routing=kw["routing"],
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
-        weights_dtype=weights_dtype)
+        weights_dtype=weights_dtype, dispatch=disp)
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
@@ -272,7 +274,6 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
             return out
         layout = torch.zeros(layout_size(E, 0), dtype=torch.int32, device=x.device)
         return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, E, kw), layout)
-    disp = Dispatch(ids, chunk_counts, E, block_t)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     col_mul, up_off = _gate_up_columns(I, kw)

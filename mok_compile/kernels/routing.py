@@ -18,10 +18,23 @@ from .launch import cdiv, launcher, next_power_of_2
 ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3}
 
 
-def routing_block(num_experts: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E): about 4K logits per program, at most 64 tokens."""
+def routing_block(num_experts: int, num_tokens: int | None = None) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_E): about 4K logits per program, at most 64 tokens; with `num_tokens`, no more token
+    rows than that rounded up to a power of 2 (a decode step's few tokens do not pay for 32 empty rows)."""
     block_e = next_power_of_2(max(num_experts, 2))
-    return max(1, min(64, 4096 // block_e)), block_e
+    block_t = max(1, min(64, 4096 // block_e))
+    if num_tokens is not None:
+        block_t = min(block_t, next_power_of_2(max(num_tokens, 1)))
+    return block_t, block_e
+
+
+def routing_warps(block_t: int, block_e: int) -> int:
+    """Warps of a routing or scatter program over a [block_t, block_e] tile: 4 (Triton's default) for a full
+    tile, fewer for a tile cut to a few tokens. Its k rounds of row reductions are a chain of dependent steps,
+    and within one warp each is a few shuffles, with no exchange through shared memory and no barrier."""
+    if block_t == routing_block(block_e)[0]:
+        return 4
+    return max(1, min(4, block_t * block_e // 512))
 
 
 @triton.jit
@@ -45,7 +58,11 @@ def _route_fwd_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, SOFTMAX_LOW: tl.constexpr,
     HAS_SEL_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
     RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
+    DISPATCH: tl.constexpr = False,
 ):
+    """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
+    chunk, from the same picks, so a few-token call skips those two launches."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -124,19 +141,35 @@ def _route_fwd_kernel(
     tl.store(w_ptr + offs, top_v.to(w_ptr.dtype.element_ty), mask=omask)
     tl.store(ids_ptr + offs, top_i.to(tl.int64), mask=omask)
     picked = tl.where(rmask[:, None], picked, 0)
-    tl.store(counts_ptr + pid * BLOCK_E + cols, tl.sum(picked, axis=0))
+    counts = tl.sum(picked, axis=0)
+    tl.store(counts_ptr + pid * BLOCK_E + cols, counts)
+    if DISPATCH:  # as _scan_kernel and _scatter_kernel do it for one chunk (whose offsets are all 0)
+        end = tl.cumsum(counts, axis=0)
+        tl.store(expert_count_ptr + cols, counts, mask=cmask)
+        tl.store(expert_start_ptr + cols, end - counts, mask=cmask)
+        tl.store(expert_end_ptr + cols, end, mask=cmask)
+        pos_mat = (end - counts)[None, :] + tl.cumsum(picked, axis=0) - picked
+        for k in tl.static_range(K):
+            idk = tl.sum(tl.where(kcols[None, :] == k, top_i, 0), axis=1)
+            pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1)
+            tl.store(pair_pos_ptr + rows * K + k, pos, mask=rmask)
+            tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-          topk_group, weights_dtype):
-    """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T)."""
+          topk_group, weights_dtype, dispatch=None):
+    """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
+
+    `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
+    one program holds every token, else with `Dispatch.sort`'s two launches after it."""
     T, E = logits.shape
-    block_t, block_e = routing_block(E)
+    block_t, block_e = routing_block(E, T)
     n_chunks = cdiv(T, block_t)
     w = torch.empty((T, top_k), dtype=weights_dtype, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=logits.device)
     grouped = routing == "sigmoid_grouped_topk" and n_group > 1
+    fused = dispatch is not None and n_chunks == 1
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_fwd_kernel)[(n_chunks,)](
@@ -147,8 +180,14 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
             HAS_SEL_BIAS=selection_bias is not None and routing == "sigmoid_grouped_topk",
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             G_PAD=next_power_of_2(max(n_group, 2)), RENORM=renormalize,
-            BLOCK_T=block_t, BLOCK_E=block_e,
+            BLOCK_T=block_t, BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
+            **({} if not fused else dict(
+                expert_count_ptr=dispatch.expert_count, expert_start_ptr=dispatch.expert_start,
+                expert_end_ptr=dispatch.expert_end, sorted_pair_ptr=dispatch.sorted_pair,
+                pair_pos_ptr=dispatch.pair_pos, DISPATCH=True)),
         )
+        if dispatch is not None and not fused:
+            dispatch.sort(ids, counts, block_t)
     return w, ids, counts, block_t
 
 

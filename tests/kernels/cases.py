@@ -46,6 +46,7 @@ VARIANTS = {
 EVERY_VARIANT_FP32 = [(v, 19, 40, 24, 8, 2, torch.float32) for v in VARIANTS]
 INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("qwen3", 1, 24, 20, 6, 3, torch.float32),
+    ("qwen3", 70, 24, 20, 8, 2, torch.float32),  # two routing programs (64 tokens each at E=8): the sort launches
     ("deepseek_v3", 23, 32, 16, 16, 4, torch.float32),
     ("qwen3", 29, 40, 24, 8, 2, torch.float16),
     ("gpt_oss", 17, 32, 24, 4, 2, torch.float16),

@@ -84,9 +84,10 @@ def _labels(log, inputs):
 VARIANTS = [("qwen3", False), ("qwen3", True), ("gpt_oss", True), ("deepseek_v3", True), ("llama4", False)]
 
 
-@pytest.mark.parametrize("variant,save", VARIANTS)
-def test_a_replayed_forward_launches_what_the_normal_path_does(stubbed, variant, save):
-    tensors, kw = make_case(variant, T=37, H=64, I=32, E=8, K=2, dtype=torch.float16)
+# T=37: one routing program (64 tokens at E=8) sorts the pairs itself; T=70: two, then the scan and scatter launches.
+@pytest.mark.parametrize("variant,save,T", [(v, s, 37) for v, s in VARIANTS] + [("qwen3", True, 70)])
+def test_a_replayed_forward_launches_what_the_normal_path_does(stubbed, variant, save, T):
+    tensors, kw = make_case(variant, T=T, H=64, I=32, E=8, K=2, dtype=torch.float16)
     log = stubbed
 
     def call(x):
@@ -101,7 +102,9 @@ def test_a_replayed_forward_launches_what_the_normal_path_does(stubbed, variant,
     replayed, replayed_log = call(x)
     plan.enabled = False
     normal, normal_log = call(x)
-    assert replayed_log == normal_log and len(normal_log) >= 5
+    assert replayed_log == normal_log and len(normal_log) >= 4
+    kernels = [kernel for kernel, _, _ in normal_log]
+    assert ("_scan_kernel" in kernels) == ("_scatter_kernel" in kernels) == (T > 64), kernels
     assert len(replayed) == len(normal) == (6 if save else 3)
     for r, n in zip(replayed, normal):
         assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
