@@ -14,8 +14,9 @@ forward (no_grad) and forward+backward (loss = mean(out^2), x and all weights re
 medians of triton.testing.do_bench, each column timed in --rounds rounds (default 3) after every column is
 compiled and warm, the order reversed every other round; the medians over the rounds are reported.
 The floor is max(FLOPs / measured bf16 matmul rate,
-expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for fwd+bwd) and
-weight bytes read once forward (x3 for fwd+bwd: read twice, gradients written once); both
+expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for fwd+bwd) and the
+weights of the experts some token is routed to read once forward (fwd+bwd: read twice, and every
+expert's gradient written once: `floors`); both
 ceilings are measured in the same run. Peak memory is torch.cuda.max_memory_allocated over one
 fwd+bwd minus what was allocated before. Writes results.json and speedup.png under --out.
 """
@@ -68,6 +69,21 @@ def measure_ceilings() -> dict:
     return {"matmul_tflops": 2 * 8192**3 / t_mm / 1e9, "copy_tbps": 2 * src.numel() * 4 / t_cp / 1e9}
 
 
+def floors(T, sizes, experts_hit, ceilings) -> tuple[float, float]:
+    """(forward, forward+backward) floors in ms: max(FLOPs / matmul rate, weight bytes / copy rate).
+
+    FLOPs = T*K*3*2*H*I (x3 for fwd+bwd). Weight bytes: the forward reads the `experts_hit` experts that some
+    token was routed to (a kernel need not read the others: at a few tokens most experts get none); fwd+bwd
+    reads them twice and writes the whole weight gradient, every expert's (zero where unhit)."""
+    H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
+    flops = T * K * 3 * 2 * H * I
+    expert_bytes = 3 * H * I * 2
+    floor_f = max(flops / ceilings["matmul_tflops"], experts_hit * expert_bytes / ceilings["copy_tbps"])
+    floor_fb = max(3 * flops / ceilings["matmul_tflops"],
+                   (2 * experts_hit + E) * expert_bytes / ceilings["copy_tbps"])
+    return floor_f / 1e9, floor_fb / 1e9
+
+
 def build_block(family, sizes, overrides):
     """The HF block at real sizes, built directly on the GPU in bf16 (no fp32 CPU copy of the weights)."""
     cfg = hf_blocks.make_config(family, sizes, **overrides)
@@ -100,10 +116,12 @@ def make_runners(family, block, mode=None):
     tensors, kw = hf_blocks.op_arguments(family, block)
     shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
 
-    def mok(x):
+    def mok(x, with_ids=False):
         x2 = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mok.fused_moe(x2, *tensors, **kw)[0].view_as(x)
-        return out if shared is None else out + shared(x)
+        out, _, topk_ids = torch.ops.mok.fused_moe(x2, *tensors, **kw)
+        out = out.view_as(x)
+        out = out if shared is None else out + shared(x)
+        return (out, topk_ids) if with_ids else out
 
     def hf(x):
         return _first(block(x))
@@ -225,16 +243,13 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3
     rows = []
     for T in tokens or default_tokens:
         x = torch.randn(1, T, H, device="cuda", dtype=torch.bfloat16)
-        flops = T * K * 3 * 2 * H * I
-        weight_bytes = E * 3 * H * I * 2
-        floor_f = max(flops / ceilings["matmul_tflops"] / 1e9, weight_bytes / ceilings["copy_tbps"] / 1e9)
-        floor_fb = max(3 * flops / ceilings["matmul_tflops"] / 1e9, 3 * weight_bytes / ceilings["copy_tbps"] / 1e9)
-        row = {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K, "floor_fwd_ms": floor_f,
-               "floor_fwd_bwd_ms": floor_fb}
+        row = {"shape": name, "T": T, "H": H, "I": I, "E": E, "K": K}
         with torch.no_grad():
             ref = runners["hf"](x).float()
-            got = runners["mok"](x).float()
-            row["mok_vs_hf_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+            got, topk_ids = runners["mok"](x, with_ids=True)
+            row["mok_vs_hf_rel_err"] = ((got.float() - ref).norm() / ref.norm()).item()
+        row["experts_hit"] = int(torch.unique(topk_ids).numel())
+        row["floor_fwd_ms"], row["floor_fwd_bwd_ms"] = floors(T, sizes, row["experts_hit"], ceilings)
         if do_profile:
             profile(runners["mok"], x.clone().requires_grad_(), params, f"{name} T={T}")
         steps, graphs = {}, {}

@@ -40,3 +40,18 @@ def test_time_in_rounds_times_every_column_each_round_in_alternating_order():
     times = time_in_rounds(timed, 3, timer)
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert dict(times) == {"a": [1.0, 6.0, 7.0], "b": [2.0, 5.0, 8.0], "c": [3.0, 4.0, 9.0]}
+
+
+def test_floor_reads_only_the_experts_hit_forward_and_writes_every_gradient_backward():
+    from benchmarks.moe_layer import floors
+    from mok_compile.hf_blocks import BlockSizes
+
+    sizes = BlockSizes(hidden=2048, intermediate=768, experts=128, top_k=8)
+    ceilings = {"matmul_tflops": 800.0, "copy_tbps": 4.0}
+    expert_ms = 3 * 2048 * 768 * 2 / 4.0e9  # one expert's weights at 4 TB/s
+    fwd, fwd_bwd = floors(1, sizes, 8, ceilings)  # one token: bandwidth-bound
+    assert abs(fwd - 8 * expert_ms) < 1e-12
+    assert abs(fwd_bwd - (2 * 8 + 128) * expert_ms) < 1e-12
+    fwd, fwd_bwd = floors(16384, sizes, 128, ceilings)  # compute-bound
+    flops = 16384 * 8 * 3 * 2 * 2048 * 768
+    assert abs(fwd - flops / 800e9) < 1e-12 and abs(fwd_bwd - 3 * flops / 800e9) < 1e-12
