@@ -1,8 +1,7 @@
 """The router kernel sorting the pairs itself when one program holds every token (`route(dispatch=...)`): the
 same arrays as the separate count, scan and scatter launches, and the same weights and ids as the routing of the
 full-size token tile up to the last bits of the weights (the tile is cut to the call's few tokens, and its row
-sums may run in another order). Under TRITON_INTERPRET=1 in a subprocess
-(fp32/fp16), and on the GPU in bf16."""
+sums may run in another order). Under TRITON_INTERPRET=1 in a subprocess (fp32), and on the GPU in bf16."""
 
 import pytest
 
