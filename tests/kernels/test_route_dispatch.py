@@ -19,10 +19,10 @@ FIELDS = ("expert_count", "expert_start", "expert_end", "sorted_pair", "pair_pos
 def compare(device, dtype):
     res = []
     # (T, E, K, routing kind): one token; a few; exactly one full tile (E=128: 32 tokens); past one tile; an
-    # expert count that is no power of 2; grouped sigmoid routing.
+    # expert count that is no power of 2; grouped sigmoid routing, also at E=256 (DeepSeek-V3's).
     for T, E, K, kind in [(1, 8, 2, "softmax_topk"), (5, 128, 8, "softmax_topk"), (32, 128, 8, "topk_softmax"),
                           (33, 128, 8, "softmax_topk"), (7, 12, 3, "topk_sigmoid"),
-                          (3, 16, 4, "sigmoid_grouped_topk")]:
+                          (3, 16, 4, "sigmoid_grouped_topk"), (2, 256, 8, "sigmoid_grouped_topk")]:
         g = torch.Generator().manual_seed(T * 31 + E)
         logits = torch.randn(T, E, generator=g).to(dtype).to(device)
         grouped = kind == "sigmoid_grouped_topk"
@@ -49,7 +49,7 @@ def compare(device, dtype):
 
 
 def _check(results):
-    assert len(results) == 6
+    assert len(results) == 7
     for r in results:
         T = r["case"][0]
         assert r["block_t"] == min(r["full_t"], 1 << (T - 1).bit_length()), r  # the tile cut to T
