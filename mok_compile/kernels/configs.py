@@ -18,7 +18,10 @@ import os
 import torch
 
 _JSON = os.path.join(os.path.dirname(__file__), "configs.json")
-BUCKETS = (("m16", 16), ("m64", 64), ("m256", 256), ("m1024", 1024), ("mbig", float("inf")))
+BUCKETS = (("m1", 1), ("m16", 16), ("m64", 64), ("m256", 256), ("m1024", 1024), ("mbig", float("inf")))
+# A bucket without a tuned entry of its own takes this one's (m1, a decode step's at most one row per expert, is
+# tuned for the forward's GEMMs only; its backward kernels take m16's).
+_FALLBACK = {"m1": "m16"}
 
 # Heuristic defaults (bf16/fp16), by kernel and bucket; fp32 halves the tiles (shared memory).
 _DEFAULTS = {
@@ -141,12 +144,15 @@ def _config(kernel, dtype, rows_per_expert, device):
         return dict(_INTERPRET[kernel])
     b = bucket(rows_per_expert)
     dname = "fp32" if dtype == torch.float32 else "16bit"
-    tuned = _table(device).get(f"{kernel}/{dname}/{b}")
+    table = _table(device)
+    tuned = table.get(f"{kernel}/{dname}/{b}")
+    if tuned is None and b in _FALLBACK:
+        tuned = table.get(f"{kernel}/{dname}/{_FALLBACK[b]}")
     if tuned is not None:
         return dict(tuned)
     if dtype == torch.float32:
         return dict(_FP32_DEFAULT[kernel])
-    return dict(_DEFAULTS[kernel][b])
+    return dict(_DEFAULTS[kernel][_FALLBACK.get(b, b)])
 
 
 # ----------------------------------------------------------------------------- GEMM engine per stage
