@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
-from .routing import routing_warps
+from .routing import place_pairs, routing_warps
 
 
 @triton.jit
@@ -88,9 +88,7 @@ def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, p
     pos_mat = base[None, :] + tl.cumsum(hits, axis=0) - hits
     for k in tl.static_range(K):
         idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
-        pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1)
-        tl.store(pair_pos_ptr + rows * K + k, pos, mask=rmask)
-        tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
+        place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
 
 
 def _aligned_len(n: int) -> int:

@@ -52,6 +52,15 @@ def _argmax_first(cur, cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def place_pairs(pos_mat, idk, k, rows, rmask, cols, K: tl.constexpr, sorted_pair_ptr, pair_pos_ptr):
+    """The sort's last step for slot k of each row's token: pair t * K + k goes to position pos_mat[t, idk[t]]
+    (its expert's start + the earlier pairs of that expert); both directions of the permutation are written."""
+    pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1)
+    tl.store(pair_pos_ptr + rows * K + k, pos, mask=rmask)
+    tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
+
+
+@triton.jit
 def _route_fwd_kernel(
     logits_ptr, sel_bias_ptr, w_ptr, ids_ptr, counts_ptr,
     T, E, stride_lt, group_size, renorm_eps, routed_scale,
@@ -142,7 +151,6 @@ def _route_fwd_kernel(
     tl.store(ids_ptr + offs, top_i.to(tl.int64), mask=omask)
     picked = tl.where(rmask[:, None], picked, 0)
     counts = tl.sum(picked, axis=0)
-    tl.store(counts_ptr + pid * BLOCK_E + cols, counts)
     if DISPATCH:  # as _scan_kernel and _scatter_kernel do it for one chunk (whose offsets are all 0)
         end = tl.cumsum(counts, axis=0)
         tl.store(expert_count_ptr + cols, counts, mask=cmask)
@@ -151,9 +159,9 @@ def _route_fwd_kernel(
         pos_mat = (end - counts)[None, :] + tl.cumsum(picked, axis=0) - picked
         for k in tl.static_range(K):
             idk = tl.sum(tl.where(kcols[None, :] == k, top_i, 0), axis=1)
-            pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1)
-            tl.store(pair_pos_ptr + rows * K + k, pos, mask=rmask)
-            tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
+            place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
+    else:
+        tl.store(counts_ptr + pid * BLOCK_E + cols, counts)
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
@@ -161,19 +169,21 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
-    one program holds every token, else with `Dispatch.sort`'s two launches after it."""
+    one program holds every token (chunk_counts is then None: its one row is `dispatch.expert_count`), else
+    with `Dispatch.sort`'s two launches after it."""
     T, E = logits.shape
     block_t, block_e = routing_block(E, T)
     n_chunks = cdiv(T, block_t)
     w = torch.empty((T, top_k), dtype=weights_dtype, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
-    counts = torch.empty((n_chunks, block_e), dtype=torch.int32, device=logits.device)
     grouped = routing == "sigmoid_grouped_topk" and n_group > 1
     fused = dispatch is not None and n_chunks == 1
+    counts = None if fused else torch.empty((n_chunks, block_e), dtype=torch.int32, device=logits.device)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_fwd_kernel)[(n_chunks,)](
-            logits, selection_bias if selection_bias is not None else logits, w, ids, counts,
+            logits, selection_bias if selection_bias is not None else logits, w, ids,
+            counts if counts is not None else dispatch.expert_count,  # fused: not written
             T, E, logits.stride(0), E // n_group if grouped else E, float(renorm_eps), float(routed_scale),
             K=top_k, K_PAD=next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
             SOFTMAX_LOW=(not softmax_fp32) and logits.dtype != torch.float32,
