@@ -23,7 +23,7 @@ import torch
 
 # (H, I, E, K, T): one tuning shape per bucket of rows per expert (T*K/E).
 TUNE_SHAPES = [
-    (2048, 768, 128, 8, 8),       # m1    Qwen3 decode step
+    (2048, 768, 128, 8, 8),       # m4    Qwen3 decode step (half a row per expert)
     (2048, 768, 128, 8, 256),     # m16   Qwen3 small batch
     (4096, 14336, 8, 2, 256),     # m64   Mixtral small batch
     (2048, 768, 128, 8, 4096),    # m256  Qwen3
@@ -48,7 +48,7 @@ def candidates(kernel, bucket):
     GEMMs' also with `TMA` (configs.config)."""
     small = bucket in ("m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
-    if bucket == "m1" and kernel != "wgrad":  # weight-bandwidth bound: narrow tiles, so that more programs stream
+    if bucket == "m4" and kernel != "wgrad":  # weight-bandwidth bound: narrow tiles, so that more programs stream
         c = [_mm(16, 32, 128, 4, 4), _mm(16, 64, 128, 4, 4), _mm(16, 32, 256, 4, 3), _mm(16, 64, 256, 4, 3),
              _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4)]
         c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(32, 128, 64, 4, 4)]
@@ -185,7 +185,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=5)
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
-    ap.add_argument("--buckets", default=None, help="comma-separated buckets (m1,m16,m64,m256,m1024,mbig); default all")
+    ap.add_argument("--buckets", default=None, help="comma-separated buckets (m4,m16,m64,m256,m1024,mbig); default all")
     args = ap.parse_args()
     kernels = tuple(args.kernels.split(","))
     unknown = set(kernels) - set(KERNELS)

@@ -79,15 +79,15 @@ def test_a_gpu_without_a_table_takes_its_architectures(monkeypatch):
 
 
 def test_a_decode_step_takes_its_own_entries_else_the_small_batch_ones(monkeypatch):
-    """At most one row per expert (m1): its own tuned entry where the table has one (the forward's GEMMs), else
+    """At most 4 rows per expert (m4): its own tuned entry where the table has one (the forward's GEMMs), else
     the m16 entry, else the m16 heuristic."""
     dev = gpu_like(monkeypatch, "NVIDIA H200", (9, 0))
-    table = {"down/16bit/m1": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    table = {"down/16bit/m4": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
              "down/16bit/m16": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
              "dgrad/16bit/m16": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)}
     monkeypatch.setattr(configs, "_table", lambda device: table)
-    assert configs.bucket(1.0) == "m1" and configs.bucket(1.01) == "m16"
-    assert configs.config("down", torch.bfloat16, 0.5, dev) == table["down/16bit/m1"]
+    assert configs.bucket(4.0) == "m4" and configs.bucket(4.01) == "m16"
+    assert configs.config("down", torch.bfloat16, 0.5, dev) == table["down/16bit/m4"]
     assert configs.config("down", torch.bfloat16, 8, dev) == table["down/16bit/m16"]
     assert configs.config("dgrad", torch.bfloat16, 0.5, dev) == table["dgrad/16bit/m16"]
     assert configs.config("gate_up", torch.bfloat16, 0.5, dev) == configs._DEFAULTS["gate_up"]["m16"]
