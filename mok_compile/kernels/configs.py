@@ -19,9 +19,9 @@ import torch
 
 _JSON = os.path.join(os.path.dirname(__file__), "configs.json")
 BUCKETS = (("m4", 4), ("m16", 16), ("m64", 64), ("m256", 256), ("m1024", 1024), ("mbig", float("inf")))
-# A bucket without a tuned entry of its own takes this one's (m4, a decode step's at most 4 rows per expert, is
-# tuned for the forward's GEMMs only; its backward kernels take m16's). m4's narrow tiles beat m16's up to 4 rows
-# per expert and lose at 8 with GPT-OSS's transposed weights (NOTES v26).
+# A bucket without a tuned entry of its own takes this one's: m4 (a decode step's at most 4 rows per expert) is
+# tuned in the committed tables for the forward's GEMMs only, and its backward kernels take m16's. m4's narrow
+# tiles beat m16's up to 4 rows per expert and lose at 8 with GPT-OSS's transposed weights (NOTES v26).
 _FALLBACK = {"m4": "m16"}
 
 # Heuristic defaults (bf16/fp16), by kernel and bucket; fp32 halves the tiles (shared memory).

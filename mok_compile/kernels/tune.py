@@ -46,7 +46,7 @@ KERNELS = ("gate_up", "down", "bwd_g2", "bwd_gate_up", "dgrad", "wgrad")
 def candidates(kernel, bucket):
     """A few configs per kernel and bucket (gated kernels' B tile is 2 * BLOCK_N wide); the grouped
     GEMMs' also with `TMA` (configs.config)."""
-    small = bucket in ("m16", "m64")
+    small = bucket in ("m4", "m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
     if bucket == "m4" and kernel != "wgrad":  # weight-bandwidth bound: narrow tiles, so that more programs stream
         c = [_mm(16, 32, 128, 4, 4), _mm(16, 64, 128, 4, 4), _mm(16, 32, 256, 4, 3), _mm(16, 64, 256, 4, 3),
