@@ -6,6 +6,8 @@ from a CUDA graph, and the kernels of one replay of each (torch.profiler).
 At a few tokens the eager and compiled columns of `benchmarks.moe_layer` time the host (and under
 `--mode reduce-overhead`, inductor's CUDA-graph wrapper); this times the GPU work alone, as a serving stack that
 captures its whole decode step sees it (NOTES v25 (2)). Medians of 5 rounds of `do_bench`, the order alternating.
+`do_bench` clears L2 before each call, and so does the kernel listing before its replay: back to back, part of a
+step's weights would stay in L2 and the kernels would read faster than the timed replays (NOTES v26 (7)).
 """
 
 import sys
@@ -18,15 +20,17 @@ from benchmarks.moe_layer import SHAPES, bench, build_block, graphed, make_runne
 
 
 def kernels_of(replay) -> list:
-    """(start us, duration us, name) of each kernel of one replay."""
+    """(start us, duration us, name) of each kernel of one replay, L2 cleared before it (as `do_bench` does)."""
     for _ in range(3):
         replay()
+    l2 = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")  # triton's do_bench clears 256 MB too
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        l2.zero_()
         replay()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+                    key=lambda e: e.time_range.start)[1:]  # the first is the clearing
     t0 = events[0].time_range.start if events else 0
     return [(e.time_range.start - t0, e.time_range.elapsed_us(), e.name) for e in events]
 
