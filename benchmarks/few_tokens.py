@@ -10,13 +10,14 @@ captures its whole decode step sees it (NOTES v25 (2)). Medians of 5 rounds of `
 step's weights would stay in L2 and the kernels would read faster than the timed replays (NOTES v26 (7)).
 """
 
+import statistics
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
-from benchmarks.moe_layer import SHAPES, bench, build_block, graphed, make_runners
+from benchmarks.moe_layer import SHAPES, build_block, graphed, make_runners, time_in_rounds
 
 
 def kernels_of(replay) -> list:
@@ -51,11 +52,8 @@ def main(name: str, tokens: list):
                 replay = graphed(lambda: fn(x))
             if replay is not None:
                 replays[which] = replay
-        times = {which: [] for which in replays}
-        for r in range(5):
-            for which, replay in (list(replays.items()) if r % 2 == 0 else list(replays.items())[::-1]):
-                times[which].append(bench(replay))
-        line = ", ".join(f"{which} {sorted(ts)[2] * 1e3:.1f} us" for which, ts in times.items())
+        times = time_in_rounds(list(replays.items()), 5)
+        line = ", ".join(f"{which} {statistics.median(ts) * 1e3:.1f} us" for which, ts in times.items())
         print(f"{name} T={T} graph replay: {line}", flush=True)
         for which, replay in replays.items():
             kernels = kernels_of(replay)

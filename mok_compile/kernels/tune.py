@@ -48,17 +48,16 @@ def candidates(kernel, bucket):
     GEMMs' also with `TMA` (configs.config)."""
     small = bucket in ("m4", "m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
-    if bucket == "m4" and kernel != "wgrad":  # weight-bandwidth bound: narrow tiles, so that more programs stream
-        c = [_mm(16, 32, 128, 4, 4), _mm(16, 64, 128, 4, 4), _mm(16, 32, 256, 4, 3), _mm(16, 64, 256, 4, 3),
-             _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4)]
-        c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(32, 128, 64, 4, 4)]
-        return c if kernel == "bwd_gate_up" else c + [{**cfg, "TMA": True} for cfg in c]
     if kernel == "wgrad":
         if small:
             return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3)]
         return [_wg(128, 128, 64, 8, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(128, 128, 128, 8, 2),
                 _wg(64, 128, 64, 4, 4)]
-    if small:
+    if bucket == "m4":  # weight-bandwidth bound: narrow tiles, so that more programs stream
+        c = [_mm(16, 32, 128, 4, 4), _mm(16, 64, 128, 4, 4), _mm(16, 32, 256, 4, 3), _mm(16, 64, 256, 4, 3),
+             _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4)]
+        c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(32, 128, 64, 4, 4)]
+    elif small:
         c = [_mm(16, 64, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4), _mm(32, 128, 64, 4, 4)]
         c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(64, 128, 64, 4, 4)]
     elif gated:  # 64 x 256: half the row padding of 128-row blocks at the same B tile width as 128 x 128
