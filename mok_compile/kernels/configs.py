@@ -164,9 +164,11 @@ def _config(kernel, dtype, rows_per_expert, device):
 #   wgrad     both weight gradients (CUTLASS pays the gathers of x and grad_out)
 # CUTLASS is used from this many mean rows per expert (T * top_k / E) on; measured on an H200 with
 # `python -m benchmarks.engines` (table in benchmarks/NOTES-gpu.md): Triton wins at few rows per
-# expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~256 rows on for
-# the sorted GEMMs, from ~512 for the gathered ones of wide experts (below), and in the weight gradients
-# from ~64.
+# expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~512 rows on for
+# the sorted GEMMs and the gathered ones of wide experts (below), and in the weight gradients from ~64.
+# The sorted GEMMs' bound was 256 until the tuned Triton tiles (128 x 256, B through TMA) won there: at 256
+# rows per expert the forward ran 1.02-1.04x faster on Triton at Qwen3, Mixtral, GPT-OSS and DeepSeek-V3,
+# bit for bit the same, and at 512 rows (Qwen3) 0.997x (NOTES v27).
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
 # MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
@@ -177,7 +179,7 @@ def _config(kernel, dtype, rows_per_expert, device):
 # 512 (1.71 against 1.81), and ties Mixtral's 1024 (5.04 against 5.01, whose activation and gather passes
 # are small next to its GEMMs).
 STAGES = ("gathered", "down", "dgrad", "wgrad")
-_CUTLASS_FROM_ROWS = {"gathered": 512, "down": 256, "dgrad": 256, "wgrad": 64}
+_CUTLASS_FROM_ROWS = {"gathered": 512, "down": 512, "dgrad": 512, "wgrad": 64}
 _CUTLASS_FROM_ROWS_TRANSPOSED = {**_CUTLASS_FROM_ROWS, "wgrad": 0}
 _GATHERED_CUTLASS_MIN_SIZE = 1 << 24  # H * I: Mixtral 4096 * 14336 takes CUTLASS; GPT-OSS 2880^2, Qwen3 do not
 

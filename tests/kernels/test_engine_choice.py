@@ -12,8 +12,8 @@ def no_forced_engine(monkeypatch):
 
 def test_thresholds_by_rows_per_expert():
     assert configs.engine("gathered", 256) == "triton" and configs.engine("gathered", 512) == "cutlass"
-    assert configs.engine("down", 255) == "triton" and configs.engine("down", 256) == "cutlass"
-    assert configs.engine("dgrad", 255) == "triton" and configs.engine("dgrad", 256) == "cutlass"
+    assert configs.engine("down", 511) == "triton" and configs.engine("down", 512) == "cutlass"
+    assert configs.engine("dgrad", 511) == "triton" and configs.engine("dgrad", 512) == "cutlass"
     assert configs.engine("wgrad", 32) == "triton" and configs.engine("wgrad", 64) == "cutlass"
 
 
@@ -23,7 +23,7 @@ def test_gathered_stage_takes_cutlass_only_for_wide_experts():
     assert configs.engine("gathered", 256, expert_size=mixtral) == "triton"  # the row threshold still holds
     for size in (gpt_oss, qwen3):
         assert configs.engine("gathered", 10_000, expert_size=size) == "triton"
-        assert configs.engine("down", 256, expert_size=size) == "cutlass"  # the other stages do not look at it
+        assert configs.engine("down", 512, expert_size=size) == "cutlass"  # the other stages do not look at it
 
 
 def test_transposed_weights_take_cutlass_weight_gradients_at_any_size():
