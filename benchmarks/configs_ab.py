@@ -1,6 +1,11 @@
-"""Two tuned block-size tables (`configs.json` files) against each other on the op, in one process, at layer shapes.
+"""Two tuned block-size tables (`configs.json` files), or two GEMM engine choices, against each other on the op, in
+one process, at layer shapes.
 
     python -m benchmarks.configs_ab OLD.json NEW.json [--shapes deepseek_v3:4096,qwen3:2048] [--rounds 3]
+    python -m benchmarks.configs_ab engine:auto engine:sorted=triton [--shapes qwen3:4096]
+
+A side `engine:VALUE` runs the committed table with MOK_GEMM_ENGINE=VALUE (`engine:auto`: the built-in choice,
+`configs.engine`), for moving an engine threshold (NOTES v27 (3)).
 
 The tuner (`mok_compile.kernels.tune`) times each kernel alone, on its own routing (ungrouped, over a random
 router). A table it picks can lose in the layer, whose routing puts rows into row blocks differently (NOTES v23
@@ -16,6 +21,7 @@ their order or height do; another BLOCK_K or engine need not).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -35,7 +41,23 @@ def use_table(path: str):
     moe._BACKWARD_PLANS.clear()
 
 
-def compare(name: str, T: int, tables: dict, rounds: int) -> dict:
+_COMMITTED = configs._JSON
+_ENGINE_AT_START = os.environ.get("MOK_GEMM_ENGINE")
+
+
+def use_side(side: str):
+    """One side of the A/B from now on: `engine:VALUE` (the committed table, MOK_GEMM_ENGINE=VALUE, `auto` unset),
+    else a table's path (MOK_GEMM_ENGINE as the process started with it)."""
+    kind, _, value = side.partition(":")
+    engine = value if kind == "engine" else _ENGINE_AT_START
+    if engine is None or engine == "auto":
+        os.environ.pop("MOK_GEMM_ENGINE", None)
+    else:
+        os.environ["MOK_GEMM_ENGINE"] = engine
+    use_table(_COMMITTED if kind == "engine" else side)
+
+
+def compare(name: str, T: int, sides: dict, rounds: int) -> dict:
     family, sizes, overrides, _ = SHAPES[name]
     block = build_block(family, sizes, overrides)
     tensors, kw = hf_blocks.op_arguments(family, block)
@@ -45,11 +67,11 @@ def compare(name: str, T: int, tables: dict, rounds: int) -> dict:
     def op(x2):
         return torch.ops.mok.fused_moe(x2, *tensors, **kw)[0]
 
-    times = {which: {"fwd": [], "fwd_bwd": []} for which in tables}
+    times = {which: {"fwd": [], "fwd_bwd": []} for which in sides}
     outs = {}
     for _ in range(rounds):
-        for which, path in tables.items():
-            use_table(path)
+        for which, side in sides.items():
+            use_side(side)
             for p in params:
                 p.grad = None
             with torch.no_grad():
@@ -60,10 +82,10 @@ def compare(name: str, T: int, tables: dict, rounds: int) -> dict:
             times[which]["fwd_bwd"].append(bench(g_fb) if g_fb else float("nan"))
             del g_fwd, g_fb
             torch.cuda.empty_cache()
-    a, b = tables
+    a, b = sides
     row = {"shape": name, "T": T, "bitwise_equal": torch.equal(outs[a], outs[b])}
     for phase in ("fwd", "fwd_bwd"):
-        for which in tables:
+        for which in sides:
             row[f"{which}_{phase}_ms"] = statistics.median(times[which][phase])
             row[f"{which}_{phase}_all_ms"] = times[which][phase]
         row[f"{phase}_a_over_b"] = row[f"{a}_{phase}_ms"] / row[f"{b}_{phase}_ms"]
@@ -72,8 +94,8 @@ def compare(name: str, T: int, tables: dict, rounds: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("a", help="a configs.json (e.g. the committed one)")
-    ap.add_argument("b", help="another configs.json (e.g. the tuner's output merged into a copy of it)")
+    ap.add_argument("a", help="a configs.json (e.g. the committed one), or engine:VALUE")
+    ap.add_argument("b", help="another configs.json (e.g. the tuner's output merged into a copy), or engine:VALUE")
     ap.add_argument("--shapes", default="deepseek_v3:4096,qwen3:2048,qwen3:4096",
                     help="comma-separated name:T, names from benchmarks.moe_layer.SHAPES")
     ap.add_argument("--rounds", type=int, default=3)
@@ -95,7 +117,7 @@ def main():
                   f"{r['A_fwd_bwd_ms']:.3f} | {r['B_fwd_bwd_ms']:.3f} | {r['fwd_bwd_a_over_b']:.3f} | "
                   f"{r['bitwise_equal']} |", flush=True)
     finally:
-        use_table(before)
+        use_side(before)
 
 
 if __name__ == "__main__":
