@@ -168,7 +168,8 @@ def _config(kernel, dtype, rows_per_expert, device):
 # the sorted GEMMs and the gathered ones of wide experts (below), and in the weight gradients from ~64.
 # The sorted GEMMs' bound was 256 until the tuned Triton tiles (128 x 256, B through TMA) won there: at 256
 # rows per expert, bit for bit the same, the forward ran 1.015-1.04x faster on Triton at Qwen3 (three runs),
-# 1.02x at GPT-OSS and DeepSeek-V3, and Mixtral's was a wash (1.03x, 0.98x); at 512 rows (Qwen3) 0.997x (NOTES v27).
+# 1.02x at GPT-OSS and DeepSeek-V3, and Mixtral's was a wash (1.03x, 0.98x); at 512 rows (Qwen3) 0.997x
+# (`python -m benchmarks.configs_ab engine:sorted=cutlass engine:auto`, alternating rounds; NOTES v27).
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
 # MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
