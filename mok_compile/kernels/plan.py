@@ -197,7 +197,7 @@ class _Recorder(TorchDispatchMode):
             self.failed = str(err)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        flat = tree_flatten(out)[0]
+        flat = [] if out is None else tree_flatten(out)[0]  # None: an op that only writes its arguments
         if any(not isinstance(v, torch.Tensor) for v in flat):
             self.failed = f"{func} returned a non-tensor"
             return out

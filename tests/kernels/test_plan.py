@@ -233,6 +233,7 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     for path in [*root.glob("*.py"), root.parent / "ops" / "library.py"]:
         read |= set(re.findall(r"os\.environ\.get\(\"([A-Z_]+)\"", path.read_text()))
     at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN"}  # read once, into module variables the plan cache checks
+    at_import.add("MOK_BUILD_DIR")  # where gate_up_sm90.py builds its library, once: no launch depends on it
     assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)
     assert "MOK_TMA" in read  # the pattern finds them
 
@@ -286,6 +287,32 @@ def test_a_detach_the_call_returns_stays_a_detach(stubbed):
     assert len(cache._plans) == 1
     assert all(not t.requires_grad and t._base is None or t._base is not x for out in outs for t in out)
     assert torch.equal(outs[2][0], x.detach()) and outs[2][0] is not x
+
+
+_TEST_LIB = torch.library.Library("mok_plan_test", "DEF")
+_TEST_LIB.define("scale_into(Tensor x, Tensor(a!) out, float s) -> ()")  # returns nothing, as mok_sm90.gate_up
+def _scale_into(x, out, s):
+    out.copy_(x * s)
+
+
+_TEST_LIB.impl("scale_into", _scale_into, "CompositeExplicitAutograd")
+
+
+def test_an_op_that_only_writes_its_arguments_is_recorded_and_replayed(stubbed):
+    """An op returning None (`-> ()`, writing an output argument) is a step like any other: before, its None
+    return failed the recording ("returned a non-tensor"), so the CUDA gate_up's calls were never planned."""
+    cache = plan.PlanCache()
+
+    def call(x):
+        out = torch.empty_like(x)
+        torch.ops.mok_plan_test.scale_into(x, out, 3.0)
+        return (out,)
+
+    xs = [torch.randn(5) for _ in range(3)]
+    outs = [cache.call(lambda x=x: call(x), (x,), ()) for x in xs]
+    assert len(cache._plans) == 1  # recorded on the second call, replayed on the third
+    for x, (out,) in zip(xs, outs):
+        assert torch.equal(out, x * 3.0)
 
 
 @pytest.mark.gpu
