@@ -171,7 +171,8 @@ def _config(kernel, dtype, rows_per_expert, device):
 # 1.02x at GPT-OSS and DeepSeek-V3, and Mixtral's was a wash (1.03x, 0.98x); at 512 rows (Qwen3) 0.997x
 # (`python -m benchmarks.configs_ab engine:sorted=cutlass engine:auto`, alternating rounds; NOTES v27).
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
-# MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad).
+# MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad; "gate_up=" the
+# forward gate_up alone, which may also take "sm90": `gate_up_engine`).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
 # T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
 # The gathered stage takes CUTLASS only for wide experts (H * I from _GATHERED_CUTLASS_MIN_SIZE): since the
@@ -185,20 +186,42 @@ _CUTLASS_FROM_ROWS_TRANSPOSED = {**_CUTLASS_FROM_ROWS, "wgrad": 0}
 _GATHERED_CUTLASS_MIN_SIZE = 1 << 24  # H * I: Mixtral 4096 * 14336 takes CUTLASS; GPT-OSS 2880^2, Qwen3 do not
 
 
+def _forced(stage: str, allowed: tuple) -> str | None:
+    """The engine MOK_GEMM_ENGINE names for `stage` (all stages, or "stage=engine,..."), or None."""
+    forced = os.environ.get("MOK_GEMM_ENGINE", "")
+    if not forced:
+        return None
+    if forced in ("triton", "cutlass"):
+        return forced
+    parts = dict(part.split("=", 1) for part in forced.split(","))
+    choice = parts.get(stage, parts.get("sorted") if stage in ("down", "dgrad") else None)
+    if choice is not None and choice not in allowed:
+        raise ValueError(f"MOK_GEMM_ENGINE: stage {stage!r} must be one of {', '.join(allowed)}, got {choice!r}")
+    return choice
+
+
 def engine(stage: str, rows_per_expert: float, transposed: bool = False, expert_size: int | None = None) -> str:
     """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all);
     `expert_size` = H * I, where known."""
-    forced = os.environ.get("MOK_GEMM_ENGINE", "")
-    if forced:
-        if forced in ("triton", "cutlass"):
-            return forced
-        parts = dict(part.split("=", 1) for part in forced.split(","))
-        choice = parts.get(stage, parts.get("sorted") if stage in ("down", "dgrad") else None)
-        if choice is not None:
-            if choice not in ("triton", "cutlass"):
-                raise ValueError(f"MOK_GEMM_ENGINE: stage {stage!r} must be 'triton' or 'cutlass', got {choice!r}")
-            return choice
+    forced = _forced(stage, ("triton", "cutlass"))
+    if forced is not None:
+        return forced
     table = _CUTLASS_FROM_ROWS_TRANSPOSED if transposed else _CUTLASS_FROM_ROWS
     if stage == "gathered" and expert_size is not None and expert_size < _GATHERED_CUTLASS_MIN_SIZE:
         return "triton"
     return "cutlass" if rows_per_expert >= table[stage] else "triton"
+
+
+# The forward gate_up may also run on the Hopper CUDA kernel (csrc/gate_up_sm90.cu: persistent, warp-specialised,
+# W1 tiles multicast to a pair of CTAs; `gate_up_sm90.eligible` says which calls fit it), but only when asked for
+# (MOK_GEMM_ENGINE=gate_up=sm90): it is bit for bit the Triton gate_up's output and not faster in the layer. Kernels
+# alone it ran 0.93x (Qwen3 T=4096) to 1.05-1.15x (Qwen3 T=16384, Mixtral, DeepSeek-V3 T=4096) of the Triton
+# kernel, but the op replayed from CUDA graphs in alternating rounds (`python -m benchmarks.configs_ab
+# engine:gate_up=triton engine:gate_up=sm90`) read 0.96-1.00x forward at those shapes (NOTES v28).
+
+
+def gate_up_engine(gathered: str) -> str:
+    """Engine of the forward gate_up: what MOK_GEMM_ENGINE=...,gate_up=sm90|triton|cutlass (or a global
+    MOK_GEMM_ENGINE=triton|cutlass) names, else `gathered`, the gathered stage's engine."""
+    forced = _forced("gate_up", ("sm90", "triton", "cutlass"))
+    return gathered if forced is None else forced

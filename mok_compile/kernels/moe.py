@@ -53,7 +53,7 @@ import torch
 from ..ops import reference
 from ..ops.library import check_inputs
 from ..ops.spec import with_defaults
-from . import activation_pass, configs, cutlass_gemm, plan, router_gemm
+from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, plan, router_gemm
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -99,6 +99,18 @@ def _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw):
     if kw.get("weight_on_input", False):
         eng.update(gathered="triton", down="triton", dgrad="triton")
     return eng
+
+
+def _gate_up_engine(x, gate_up_proj, gate_up_bias, down_proj, I, kw, gathered):
+    """Engine of the forward gate_up (`configs.gate_up_engine`): 'sm90' only where the call fits the Hopper CUDA
+    kernel and it builds, 'cutlass' only where the gathered stage may take it; else the gathered stage's engine."""
+    choice = configs.gate_up_engine(gathered)
+    if choice == "sm90" and not (gate_up_sm90.eligible(x, gate_up_proj, gate_up_bias, kw) and gate_up_sm90.available()):
+        return gathered
+    if choice == "cutlass" and (kw.get("weight_on_input", False)
+                                or not cutlass_gemm.eligible(x, gate_up_proj, down_proj, I)):
+        return gathered
+    return choice
 
 
 def _gate_up_columns(I, kw):
@@ -281,7 +293,12 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
     act_code = activation_code(kw["activation"], kw["gated"])
     h = None
-    if eng["gathered"] == "cutlass":
+    gate_up_eng = _gate_up_engine(x, gate_up_proj, gate_up_bias, down_proj, I, kw, eng["gathered"])
+    if gate_up_eng == "sm90":
+        h = torch.empty((T * K, 2 * I), dtype=x.dtype, device=x.device) if save_gate_up else None
+        act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
+        gate_up_sm90.gate_up(x, disp, gate_up_proj, act, h)
+    elif gate_up_eng == "cutlass":
         h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
         act = activation_pass.activation_rows(h, disp, ids, gate_up_bias, I, gated=kw["gated"],
                                               interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,

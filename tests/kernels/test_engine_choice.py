@@ -44,5 +44,23 @@ def test_forced_engines(monkeypatch):
     monkeypatch.setenv("MOK_GEMM_ENGINE", "sorted=triton,dgrad=cutlass")  # a stage's own entry wins
     assert configs.engine("down", 10_000) == "triton" and configs.engine("dgrad", 1) == "cutlass"
     monkeypatch.setenv("MOK_GEMM_ENGINE", "down=cuda")
-    with pytest.raises(ValueError, match="stage 'down' must be 'triton' or 'cutlass'"):
+    with pytest.raises(ValueError, match="stage 'down' must be one of triton, cutlass, got 'cuda'"):
         configs.engine("down", 1)
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "down=sm90")  # the Hopper CUDA kernel is the forward gate_up's only
+    with pytest.raises(ValueError, match="stage 'down' must be one of triton, cutlass, got 'sm90'"):
+        configs.engine("down", 1)
+
+
+def test_gate_up_engine(monkeypatch):
+    """The forward gate_up follows the gathered stage unless MOK_GEMM_ENGINE names it: the Hopper CUDA kernel
+    ('sm90') only on request (configs.gate_up_engine: not faster in the layer, NOTES v28)."""
+    monkeypatch.delenv("MOK_GEMM_ENGINE", raising=False)
+    assert configs.gate_up_engine("triton") == "triton" and configs.gate_up_engine("cutlass") == "cutlass"
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "triton")
+    assert configs.gate_up_engine("cutlass") == "triton"
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "gate_up=sm90")
+    assert configs.gate_up_engine("triton") == "sm90"
+    assert configs.engine("gathered", 1) == "triton"  # the backward's gathered GEMMs are not forced by it
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "gate_up=cuda")
+    with pytest.raises(ValueError, match="stage 'gate_up' must be one of sm90, triton, cutlass"):
+        configs.gate_up_engine("triton")

@@ -1,7 +1,8 @@
 """The CUDA kernels of `mok::fused_moe` on a GPU: numerics, gradients, determinism, CUDA graphs, edge shapes.
 
 Every test runs with each GEMM engine forced (`MOK_GEMM_ENGINE`: all Triton, all CUTLASS where
-eligible, i.e. bf16 on Hopper) and with the mixed per-stage choice the heuristic makes at large sizes;
+eligible, i.e. bf16 on Hopper), with the mixed per-stage choice the heuristic makes at large sizes, and with
+the forward gate_up on the Hopper CUDA kernel (`gate_up_sm90.py`, bf16 SiLU experts on sm_90);
 the Triton GEMMs with and without B through TMA (`MOK_TMA`, 16-bit weights on Hopper).
 """
 
@@ -19,7 +20,8 @@ GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
 
 
 # (MOK_GEMM_ENGINE, MOK_TMA)
-ENGINES = [("triton", "0"), ("triton", "1"), ("cutlass", "0"), ("gathered=triton,sorted=cutlass,wgrad=cutlass", "1")]
+ENGINES = [("triton", "0"), ("triton", "1"), ("cutlass", "0"), ("gathered=triton,sorted=cutlass,wgrad=cutlass", "1"),
+           ("gate_up=sm90,sorted=cutlass,wgrad=cutlass", "1")]  # the Hopper CUDA gate_up where a call fits it
 
 
 @pytest.fixture(autouse=True, params=ENGINES, ids=lambda p: f"{p[0]}-tma{p[1]}")
