@@ -18,14 +18,14 @@ import statistics
 import torch
 import triton
 
+from benchmarks.moe_layer import SHAPES
 from mok_compile.kernels import configs, cutlass_gemm, gate_up_sm90
 from mok_compile.kernels.tune import _Problem
 
-SHAPES = {"qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2), "deepseek_v3": (7168, 2048, 256, 8)}
-
 
 def compare(name: str, T: int, rounds: int) -> dict:
-    H, I, E, K = SHAPES[name]
+    sizes = SHAPES[name][1]  # the layer benchmark's (the CUDA kernel fits qwen3, mixtral, deepseek_v3)
+    H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
     p = _Problem(H, I, E, K, T)
     cfg = configs.config("gate_up", torch.bfloat16, T * K / E, torch.device("cuda"))
     out = torch.empty_like(p.act)
