@@ -20,12 +20,7 @@
 // 48 KB per stage (16 KB A + 32 KB W1), 4 stages, handed over through full/empty mbarriers; a stage is refilled once
 // the consumers of both CTAs have freed it. Row blocks are 128 rows of one expert (its last block partly empty).
 // Deterministic: every output element is one fp32 sum in K order.
-#include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-#include <stdint.h>
-#include <stdio.h>
+#include "sm90_common.cuh"
 
 namespace mok_sm90 {
 
@@ -51,12 +46,6 @@ struct Params {
   int H, I, E, top_k, num_n;
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-
-
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -65,25 +54,6 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
 // Arrive on the barrier at the same shared-memory offset in CTA `rank` of the cluster (possibly this one).
@@ -101,69 +71,6 @@ __device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorM
       " [%0], [%1, {%2, %3}], [%4], %5;"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar), "h"(static_cast<uint16_t>(3))
       : "memory");
-}
-
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int k, int row, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(bar)
-      : "memory");
-}
-
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-
-// The barrier's pending count drops by one when this thread's earlier cp.async copies have landed.
-__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// One wgmma m64n256k16 (bf16 in, fp32 accumulate), A and B from shared memory (K-major, 128-byte swizzle).
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, p, 1, 1, 0, 0;\n}\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
@@ -330,7 +237,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
         for (int i = 0; i < 8; ++i) {
           const int r = row_sub + 16 * i;
           const bool load = in_k && token[i] >= 0;
-          cp_async_16(a_s + r * 128 + ((chunk ^ (r & 7)) << 4),
+          cp_async_16(a_s + swizzle_128b(r, chunk),
                       load ? p.x + static_cast<long long>(token[i]) * p.H + col : p.x, load ? 16u : 0u);  // 0: zeros
         }
         cp_async_arrive(full);
@@ -351,7 +258,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
         const uint32_t a_s = a_smem + s * A_BYTES + consumer * 64 * 128, b_s = b_smem + s * B_BYTES;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n256k16(acc, smem_desc(a_s + kk * 32), smem_desc(b_s + kk * 32));
+        for (int kk = 0; kk < BK / 16; ++kk)
+          wgmma_m64n256k16<0, 0>(acc, smem_desc(a_s + kk * 32), smem_desc(b_s + kk * 32));
         wgmma_commit();
         wgmma_wait<1>();  // the previous K step's wgmmas are done: hand its stage back
         // A stage may hold the partner's multicast W1 half: free it on both CTAs (lane r tells CTA r).
@@ -359,9 +267,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
       }
       wgmma_wait<0>();
       if (lane < 2) mbar_arrive_cluster(empty_bar + 8 * ((it - 1) % STAGES), lane);  // the tile's last stage
-      // The epilogue's reads of acc must not move above the wait: tie every register to an asm after it.
-#pragma unroll
-      for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+      fence_accumulators(acc);
 
       // Thread holds rows r and r + 8, columns n0 + 8j + 2(lane % 4) + {0, 1}; gate in acc[4j..], up 64 registers
       // later (accumulator columns + 128).
@@ -397,35 +303,13 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
 // ----------------------------------------------------------------------------------------------- host side
 // A C entry point, called through ctypes (mok_compile/kernels/gate_up_sm90.py checks the tensors first): no torch
 // headers, so the build takes seconds. Returns 0, or a CUDA error code with its text in `err`.
-namespace {
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  // Through the runtime's driver entry point, so the library needs no link against libcuda.
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      ptr = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
-int fail(char* err, int err_len, const char* what, int code) {
-  snprintf(err, err_len, "%s (%d)", what, code);
-  return code == 0 ? -1 : code;
-}
-
-}  // namespace
-
 // out[r] = silu(x[t_r] @ W1[e_r][:I]^T) * (x[t_r] @ W1[e_r][I:]^T) for each of the `rows` sorted rows; h (or null)
 // gets the two products before the activation. One CTA per SM, whatever the routing (the host never reads it).
 extern "C" int mok_gate_up_sm90(const void* x, const int* sorted_pair, const void* w1, const int* expert_count,
                                 const int* expert_start, void* out, void* h, int rows, int H, int I, int E,
                                 int top_k, void* stream, char* err, int err_len) {
   using namespace mok_sm90;
+  using namespace mok_sm90_host;
   if (rows == 0) return 0;
   if (E > MAX_EXPERTS) return fail(err, err_len, "more than 256 experts", 0);
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
@@ -440,16 +324,9 @@ extern "C" int mok_gate_up_sm90(const void* x, const int* sorted_pair, const voi
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) return fail(err, err_len, "cuTensorMapEncodeTiled failed", static_cast<int>(res));
 
-  static int sm_count[64] = {};  // per device: its SM count, and the large shared-memory opt-in done
-  int device = 0;
-  cudaError_t status = cudaGetDevice(&device);
-  int sms = status == cudaSuccess && device < 64 ? sm_count[device] : 0;
-  if (status == cudaSuccess && sms == 0) {
-    status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (status == cudaSuccess)
-      status = cudaFuncSetAttribute(gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-    if (status == cudaSuccess && device < 64) sm_count[device] = sms;
-  }
+  static int sm_cache[64] = {};
+  cudaError_t status = cudaSuccess;
+  const int sms = sm_count(gate_up_kernel, SMEM_BYTES, sm_cache, status);
   if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
 
   Params params{};
@@ -464,7 +341,6 @@ extern "C" int mok_gate_up_sm90(const void* x, const int* sorted_pair, const voi
   params.E = E;
   params.top_k = top_k;
   params.num_n = (I + BN_HALF - 1) / BN_HALF;
-  // At most one partial block per expert: an upper bound on the tiles, for small problems' grids.
   // At most one partial block per expert: an upper bound on the cluster tiles, for small problems' grids.
   const long long max_blocks = static_cast<long long>(rows + BM - 1) / BM + (E < rows ? E : rows);
   const long long max_tiles = (max_blocks + 1) / 2 * params.num_n;

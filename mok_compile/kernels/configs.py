@@ -172,7 +172,10 @@ def _config(kernel, dtype, rows_per_expert, device):
 # (`python -m benchmarks.configs_ab engine:sorted=cutlass engine:auto`, alternating rounds; NOTES v27).
 # MOK_GEMM_ENGINE=triton|cutlass forces every stage (tests, benchmarks), or per stage:
 # MOK_GEMM_ENGINE=gathered=triton,down=cutlass,wgrad=cutlass ("sorted=" sets down and dgrad; "gate_up=" the
-# forward gate_up alone, which may also take "sm90": `gate_up_engine`).
+# forward gate_up alone, which may also take "sm90": `gate_up_engine`). The weight gradients may also take "sm90",
+# the Hopper CUDA kernel (csrc/wgrad_sm90.cu, gathers in-kernel), only when asked for: bit for bit CUTLASS's result
+# but 0.79-0.84x its fwd+bwd in the layer (NOTES v29; `python -m benchmarks.configs_ab engine:wgrad=cutlass
+# engine:wgrad=sm90`).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
 # T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
 # The gathered stage takes CUTLASS only for wide experts (H * I from _GATHERED_CUTLASS_MIN_SIZE): since the
@@ -201,9 +204,10 @@ def _forced(stage: str, allowed: tuple) -> str | None:
 
 
 def engine(stage: str, rows_per_expert: float, transposed: bool = False, expert_size: int | None = None) -> str:
-    """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all);
+    """'cutlass' or 'triton' for `stage` (the caller has checked that CUTLASS is eligible at all), or for the
+    weight gradients 'sm90' (the Hopper CUDA kernel; `moe._engines` checks that the call fits it);
     `expert_size` = H * I, where known."""
-    forced = _forced(stage, ("triton", "cutlass"))
+    forced = _forced(stage, ("triton", "cutlass", "sm90") if stage == "wgrad" else ("triton", "cutlass"))
     if forced is not None:
         return forced
     table = _CUTLASS_FROM_ROWS_TRANSPOSED if transposed else _CUTLASS_FROM_ROWS

@@ -53,7 +53,7 @@ import torch
 from ..ops import reference
 from ..ops.library import check_inputs
 from ..ops.spec import with_defaults
-from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, plan, router_gemm
+from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, plan, router_gemm, wgrad_sm90
 from .activation import activation_code
 from .dispatch import Dispatch, combine, count_chunks, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -98,6 +98,8 @@ def _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw):
     eng = {stage: configs.engine(stage, rows_per_expert, kw["transposed"], x.shape[1] * I) for stage in configs.STAGES}
     if kw.get("weight_on_input", False):
         eng.update(gathered="triton", down="triton", dgrad="triton")
+    if eng["wgrad"] == "sm90" and not (wgrad_sm90.eligible(x, gate_up_proj, down_proj, kw) and wgrad_sm90.available()):
+        eng["wgrad"] = "cutlass"
     return eng
 
 
@@ -341,6 +343,15 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     return _BACKWARD_PLANS.call(lambda: _backward(*tensors, **kw), tensors, tuple(kw.items()))
 
 
+def _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, scale):
+    """The bias gradients next to a CUTLASS or CUDA weight gradient: per-expert sums of the (scaled) grad_out rows
+    and of the dh rows (the Triton weight gradient sums them in its own loop)."""
+    if d_down_bias is not None:
+        cutlass_gemm.segment_sum(go, disp, d_down_bias, gather=True, scale=scale)
+    if d_gu_bias is not None:
+        cutlass_gemm.segment_sum(dh, disp, d_gu_bias, gather=False)
+
+
 def _free_storage(t):
     t.untyped_storage().resize_(0)
 
@@ -410,7 +421,18 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     # Weight gradients: each expert's rows reduced in sorted order.
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
-    if eng["wgrad"] == "cutlass":
+    if eng["wgrad"] == "sm90" and go.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0:  # rows gathered in-kernel
+        del gos, xs
+        d_down, d_gu = torch.empty_like(down_proj), torch.empty_like(gate_up_proj)
+        if transposed:
+            wgrad_sm90.wgrad(act_w, go, disp, d_down, q_gather=True)
+            wgrad_sm90.wgrad(x, dh, disp, d_gu, p_gather=True)
+        else:
+            wgrad_sm90.wgrad(go, act_w, disp, d_down, p_gather=True)
+            wgrad_sm90.wgrad(dh, x, disp, d_gu, q_gather=True)
+        del act_w
+        _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
+    elif eng["wgrad"] != "triton":
         if gos is None:
             gos = cutlass_gemm.gather_rows(go, disp)
         d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
@@ -419,10 +441,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
             xs = cutlass_gemm.gather_rows(x, disp, scale=w_flat if woi else None)
         d_gu = cutlass_gemm.wgrad(xs, dh, disp) if transposed else cutlass_gemm.wgrad(dh, xs, disp)
         del xs
-        if d_down_bias is not None:
-            cutlass_gemm.segment_sum(go, disp, d_down_bias, gather=True, scale=None if woi else w_flat)
-        if d_gu_bias is not None:
-            cutlass_gemm.segment_sum(dh, disp, d_gu_bias, gather=False)
+        _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
     else:
         del gos, xs
         wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)

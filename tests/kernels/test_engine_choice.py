@@ -46,7 +46,7 @@ def test_forced_engines(monkeypatch):
     monkeypatch.setenv("MOK_GEMM_ENGINE", "down=cuda")
     with pytest.raises(ValueError, match="stage 'down' must be one of triton, cutlass, got 'cuda'"):
         configs.engine("down", 1)
-    monkeypatch.setenv("MOK_GEMM_ENGINE", "down=sm90")  # the Hopper CUDA kernel is the forward gate_up's only
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "down=sm90")  # the Hopper CUDA kernels: forward gate_up and wgrad only
     with pytest.raises(ValueError, match="stage 'down' must be one of triton, cutlass, got 'sm90'"):
         configs.engine("down", 1)
 
@@ -64,3 +64,23 @@ def test_gate_up_engine(monkeypatch):
     monkeypatch.setenv("MOK_GEMM_ENGINE", "gate_up=cuda")
     with pytest.raises(ValueError, match="stage 'gate_up' must be one of sm90, triton, cutlass"):
         configs.gate_up_engine("triton")
+
+
+def test_cuda_weight_gradients_only_on_request(monkeypatch):
+    """The weight gradients take the Hopper CUDA kernel ('sm90') only when MOK_GEMM_ENGINE names it (slower than
+    CUTLASS in the layer, NOTES v29); `moe._engines` then falls back to CUTLASS for a call that does not fit it."""
+    import torch
+
+    from mok_compile.kernels import moe
+
+    for rows in (1, 64, 10_000):
+        assert configs.engine("wgrad", rows) != "sm90" and configs.engine("wgrad", rows, transposed=True) != "sm90"
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "wgrad=sm90")
+    assert configs.engine("wgrad", 1) == "sm90" and configs.engine("down", 1) == "triton"
+    monkeypatch.setattr(moe.cutlass_gemm, "eligible", lambda *args: True)  # as for bf16 on Hopper
+    x, w1, w2 = torch.zeros(4, 64), torch.zeros(8, 128, 64), torch.zeros(8, 64, 64)  # on the CPU: does not fit
+    kw = dict(transposed=False, gated=True, activation="silu", interleaved=False)
+    assert moe._engines(x, w1, w2, 64, 256.0, kw)["wgrad"] == "cutlass"
+    monkeypatch.setattr(moe.wgrad_sm90, "eligible", lambda *args: True)
+    monkeypatch.setattr(moe.wgrad_sm90, "available", lambda: True)
+    assert moe._engines(x, w1, w2, 64, 256.0, kw)["wgrad"] == "sm90"
