@@ -312,22 +312,17 @@ extern "C" int mok_gate_up_sm90(const void* x, const int* sorted_pair, const voi
   using namespace mok_sm90_host;
   if (rows == 0) return 0;
   if (E > MAX_EXPERTS) return fail(err, err_len, "more than 256 experts", 0);
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
-  if (encode == nullptr) return fail(err, err_len, "the CUDA driver has no cuTensorMapEncodeTiled", 0);
+  if (encode_tiled() == nullptr) return fail(err, err_len, "the CUDA driver has no cuTensorMapEncodeTiled", 0);
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(H), static_cast<cuuint64_t>(E) * 2 * I};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(H) * 2};
   const cuuint32_t box[2] = {BK, BN_HALF};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(w1), dims, strides, box,
-                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res = encode_bf16(&map, w1, 2, dims, strides, box, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   if (res != CUDA_SUCCESS) return fail(err, err_len, "cuTensorMapEncodeTiled failed", static_cast<int>(res));
 
   static int sm_cache[64] = {};
-  cudaError_t status = cudaSuccess;
-  const int sms = sm_count(gate_up_kernel, SMEM_BYTES, sm_cache, status);
-  if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
+  int sms = 0;
+  if (const int code = sm_count(gate_up_kernel, SMEM_BYTES, sm_cache, sms, err, err_len)) return code;
 
   Params params{};
   params.x = static_cast<const __nv_bfloat16*>(x);
@@ -346,7 +341,7 @@ extern "C" int mok_gate_up_sm90(const void* x, const int* sorted_pair, const voi
   const long long max_tiles = (max_blocks + 1) / 2 * params.num_n;
   const unsigned grid = 2 * static_cast<unsigned>(max_tiles < sms / 2 ? max_tiles : sms / 2);
   gate_up_kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(map, params);
-  status = cudaGetLastError();
+  const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
   return 0;
 }

@@ -140,27 +140,38 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
+// A tensor map over bf16 rows in the 128-byte swizzle (the layout the kernels' shared-memory tiles use), elements
+// contiguous along dims[0]; zeros for the parts of a box outside the tensor.
+inline CUresult encode_bf16(CUtensorMap* map, const void* ptr, cuuint32_t rank, const cuuint64_t* dims,
+                            const cuuint64_t* byte_strides, const cuuint32_t* box, CUtensorMapL2promotion promotion) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return CUDA_ERROR_NOT_SUPPORTED;
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(ptr), dims, byte_strides, box,
+                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 inline int fail(char* err, int err_len, const char* what, int code) {
   snprintf(err, err_len, "%s (%d)", what, code);
   return code == 0 ? -1 : code;
 }
 
-// The current device's SM count, opting `kernel` into `smem_bytes` of dynamic shared memory on first use per
-// device (`cache`: one entry per device, owned by the kernel's entry point). 0 on error, with `status` set.
+// Sets `sms` to the current device's SM count, opting `kernel` into `smem_bytes` of dynamic shared memory on first
+// use per device (`cache`: one entry per device, owned by the kernel's entry point). Returns 0, or the CUDA error
+// code with its text in `err`.
 template <typename Kernel>
-int sm_count(Kernel kernel, int smem_bytes, int (&cache)[64], cudaError_t& status) {
+int sm_count(Kernel kernel, int smem_bytes, int (&cache)[64], int& sms, char* err, int err_len) {
   int device = 0;
-  status = cudaGetDevice(&device);
-  if (status != cudaSuccess) return 0;
-  int sms = device < 64 ? cache[device] : 0;
-  if (sms == 0) {
+  cudaError_t status = cudaGetDevice(&device);
+  sms = status == cudaSuccess && device < 64 ? cache[device] : 0;
+  if (status == cudaSuccess && sms == 0) {
     status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (status == cudaSuccess)
       status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (status != cudaSuccess) return 0;
-    if (device < 64) cache[device] = sms;
+    if (status == cudaSuccess && device < 64) cache[device] = sms;
   }
-  return sms;
+  return status == cudaSuccess ? 0 : fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
 }
 
 }  // namespace mok_sm90_host

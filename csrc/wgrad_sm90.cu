@@ -250,35 +250,26 @@ extern "C" int mok_wgrad_sm90(const void* p, const void* q, const int* sorted_pa
   using namespace mok_sm90_host;
   if (E == 0 || P == 0 || Q == 0) return 0;
   if (top_k < 1 || top_k > 256) return fail(err, err_len, "top_k must be in [1, 256]", 0);
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
-  if (encode == nullptr) return fail(err, err_len, "the CUDA driver has no cuTensorMapEncodeTiled", 0);
+  if (encode_tiled() == nullptr) return fail(err, err_len, "the CUDA driver has no cuTensorMapEncodeTiled", 0);
   CUtensorMap map{}, p_map{}, q_map{};
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(Q), static_cast<cuuint64_t>(P), static_cast<cuuint64_t>(E)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(Q) * 2, static_cast<cuuint64_t>(P) * Q * 2};
   const cuuint32_t box[3] = {64, 64, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, elem_strides,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) return fail(err, err_len, "cuTensorMapEncodeTiled failed", static_cast<int>(res));
+  CUresult res = encode_bf16(&map, out, 3, dims, strides, box, CU_TENSOR_MAP_L2_PROMOTION_NONE);
   // The sorted operands' rows ([T*K, width], boxes of 64 rows x 64 columns, zeros past the edges).
-  for (int side = 0; side < 2; ++side) {
+  for (int side = 0; side < 2 && res == CUDA_SUCCESS; ++side) {
     if ((side == 0 ? p_gather : q_gather) || sorted_rows == 0) continue;  // not read by TMA
     const int width = side == 0 ? P : Q;
     const cuuint64_t op_dims[2] = {static_cast<cuuint64_t>(width), static_cast<cuuint64_t>(sorted_rows)};
     const cuuint64_t op_strides[1] = {static_cast<cuuint64_t>(width) * 2};
-    const cuuint32_t op_box[2] = {64, 64};
-    const CUresult r = encode(side == 0 ? &p_map : &q_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                              const_cast<void*>(side == 0 ? p : q), op_dims, op_strides, op_box, elem_strides,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) return fail(err, err_len, "cuTensorMapEncodeTiled failed", static_cast<int>(r));
+    res = encode_bf16(side == 0 ? &p_map : &q_map, side == 0 ? p : q, 2, op_dims, op_strides, box,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   }
+  if (res != CUDA_SUCCESS) return fail(err, err_len, "cuTensorMapEncodeTiled failed", static_cast<int>(res));
 
   static int sm_cache[64] = {};
-  cudaError_t status = cudaSuccess;
-  const int sms = sm_count(wgrad_kernel, SMEM_BYTES, sm_cache, status);
-  if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
+  int sms = 0;
+  if (const int code = sm_count(wgrad_kernel, SMEM_BYTES, sm_cache, sms, err, err_len)) return code;
 
   Params params{};
   params.p = static_cast<const __nv_bfloat16*>(p);
@@ -297,7 +288,7 @@ extern "C" int mok_wgrad_sm90(const void* p, const void* q, const int* sorted_pa
   const long long tiles = static_cast<long long>(E) * params.num_m * params.num_n;
   const unsigned grid = static_cast<unsigned>(tiles < sms ? tiles : sms);
   wgrad_kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(map, p_map, q_map, params);
-  status = cudaGetLastError();
+  const cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
   return 0;
 }

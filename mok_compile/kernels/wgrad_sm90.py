@@ -22,6 +22,7 @@ from . import cuda_sm90
 
 available = cuda_sm90.available  # whether the Hopper kernels build (building them on the first call)
 
+
 @functools.cache
 def _entry():
     return cuda_sm90.entry("mok_wgrad_sm90", [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7
