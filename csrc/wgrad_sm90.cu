@@ -38,7 +38,6 @@ constexpr int PANEL_BYTES = BK * 128;             // 64 rows x 64 columns of bf1
 constexpr int A_BYTES = (BM / 64) * PANEL_BYTES;  // 16 KB
 constexpr int B_BYTES = (BN / 64) * PANEL_BYTES;  // 32 KB
 constexpr int EPI_BYTES = BM * BN * 2;            // each consumer's 64 x 256 bf16 result as four 64 x 64 panels
-constexpr bool kSortedByTma = true;              // the sorted operand's whole K steps by TMA (else cp.async)
 constexpr int SMEM_BYTES = STAGES * (A_BYTES + B_BYTES) + EPI_BYTES + 1024 /* alignment */ + 2 * STAGES * 8;
 
 struct Params {
@@ -66,8 +65,8 @@ struct Tile {
 };
 
 // Tile t: experts in order (their rows stay in L2 while all their tiles run), then C's row blocks, then columns.
-// Its expert's rows come from `next_rows`, loaded one tile ahead (`TileRows::load`), so that no warp waits on a
-// global load at the start of a tile.
+// Its expert's rows come from a `TileRows` loaded one tile ahead, so that no warp waits on a global load at the
+// start of a tile.
 struct TileRows {
   int row0, rows;
   __device__ __forceinline__ void load(const Params& p, int t, int num_tiles) {
@@ -137,7 +136,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgrad_kernel(const __grid_constant
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 128 + 1);  // the producer's 128 cp.async arrivals + thread 0's expect_tx
-      mbar_init(empty_bar + 8 * s, 8);   // lane 0 of each of the 8 consumer warps
+      mbar_init(empty_bar + 8 * s, 8);       // lane 0 of each of the 8 consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -159,7 +158,7 @@ __global__ void __launch_bounds__(THREADS, 1) wgrad_kernel(const __grid_constant
         // A sorted operand comes by TMA boxes (64 rows x 64 columns) while all 64 rows are the expert's; in the
         // last, partial step its rows past the end would be the next expert's, so they come by cp.async, zeros.
         const bool whole = k0 + BK <= tile.rows;
-        const bool a_tma = kSortedByTma && whole && !p.p_gather, b_tma = kSortedByTma && whole && !p.q_gather;
+        const bool a_tma = whole && !p.p_gather, b_tma = whole && !p.q_gather;
         if (!a_tma) a.rows(tile, k0, p.sorted_pair, p.p_gather);
         if (!b_tma) b.rows(tile, k0, p.sorted_pair, p.q_gather);
         mbar_wait(empty_bar + 8 * s, ((it / STAGES) & 1) ^ 1);
