@@ -421,7 +421,10 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     # Weight gradients: each expert's rows reduced in sorted order.
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
-    if eng["wgrad"] == "sm90" and go.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0:  # rows gathered in-kernel
+    wgrad_eng = eng["wgrad"]
+    if wgrad_eng == "sm90" and go.data_ptr() % 16:  # the CUDA kernel reads grad_out rows in 16-byte chunks
+        wgrad_eng = "cutlass"
+    if wgrad_eng == "sm90":  # rows gathered in-kernel
         del gos, xs
         d_down, d_gu = torch.empty_like(down_proj), torch.empty_like(gate_up_proj)
         if transposed:
@@ -432,7 +435,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
             wgrad_sm90.wgrad(dh, x, disp, d_gu, q_gather=True)
         del act_w
         _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
-    elif eng["wgrad"] != "triton":
+    elif wgrad_eng == "cutlass":
         if gos is None:
             gos = cutlass_gemm.gather_rows(go, disp)
         d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)

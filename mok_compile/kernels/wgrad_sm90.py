@@ -30,11 +30,12 @@ def _entry():
 
 
 def eligible(x, gate_up_proj, down_proj, kw) -> bool:
-    """Whether both weight gradients of this call fit the kernel: bf16 on an sm_90 GPU, contiguous 16-byte aligned
-    weights with 16-byte rows (H, I multiples of 8), no weight on the input (its x rows are scaled before the
-    GEMM). Any activation and weight layout: the gradient's columns follow the weight's. `available()` says whether
-    the kernel builds."""
-    if not (cuda_sm90.on_sm90(x) and x.dtype == torch.bfloat16 and kw.get("weight_on_input", False) is False):
+    """Whether both weight gradients of this call fit the kernel: bf16 on an sm_90 GPU, x (contiguous) and the
+    contiguous weights 16-byte aligned with 16-byte rows (H, I multiples of 8), no weight on the input (its x rows
+    are scaled before the GEMM). Any activation and weight layout: the gradient's columns follow the weight's.
+    grad_out's alignment is the caller's to check (`moe._backward`); `available()` says whether the kernel builds."""
+    if not (cuda_sm90.on_sm90(x) and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0
+            and not kw.get("weight_on_input", False)):
         return False
     return all(w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[1] % 8 == 0
                and w.shape[2] % 8 == 0 for w in (gate_up_proj, down_proj))

@@ -28,6 +28,8 @@ def test_only_calls_that_fit_the_kernel_are_eligible():
         assert not wgrad_sm90.eligible(xc.half(), w1c.half(), w2c.half(), _KW)
         assert not wgrad_sm90.eligible(xc, w1c, w2c, {**_KW, "weight_on_input": True})
         assert not wgrad_sm90.eligible(xc[:, :60], w1c[:, :, :60], w2c[:, :60], _KW)  # rows not 16-byte aligned
+        x_off = torch.zeros(4 * 64 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(4, 64)
+        assert not wgrad_sm90.eligible(x_off, w1c, w2c, _KW)  # x starts 8 bytes past a 16-byte boundary
         assert not wgrad_sm90.eligible(xc, w1c.transpose(1, 2), w2c, _KW)  # not contiguous
 
 
