@@ -40,6 +40,25 @@ def _tie_at_top_k(tensors, kw):
     return bool((ranked[:, K - 1] == ranked[:, K]).any())
 
 
+# The fp16 forward rounds x @ W1 before adding the bias (HF's order), which moves a pre-activation near zero by up
+# to half an ulp of |x @ W1| (about |bias| <= 0.5 there: 2.4e-4); the saved h then can sit across ReLU's kink from
+# the reference's fp32 recomputation (~1% of random fp16 inputs), and the gradient of that element differs by design.
+RELU_KINK_MARGIN = 5e-4
+
+
+def _near_relu_kink(tensors, kw):
+    """Whether some routed pair's ReLU pre-activation (fp32) lies within RELU_KINK_MARGIN of zero."""
+    kw = with_defaults(kw)
+    if kw["activation"] != "relu":
+        return False
+    _, w, ids = reference.fused_moe_reference(*tensors, **kw)
+    x, w1, b1 = (None if t is None else t.float() for t in (tensors[0], tensors[4], tensors[5]))
+    x_in = x.unsqueeze(1) * (w.float().unsqueeze(-1) if kw["weight_on_input"] else 1.0)  # [T, 1 or K, H]
+    w1 = w1[ids] if kw["transposed"] else w1[ids].transpose(-1, -2)  # [T, K, H, I]
+    h = (x_in.unsqueeze(-2) @ w1).squeeze(-2) + (0 if b1 is None else b1[ids])
+    return bool((h.abs() < RELU_KINK_MARGIN).any())
+
+
 @contextlib.contextmanager
 def _recomputes():
     """Counts the backward's routing recomputations inside the block: the router logits (`moe._logits`) and the
@@ -66,10 +85,11 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
     """`accept(tensors, kw)`: a condition on the inputs; `ab_env` (name, value): also rerun the kernels with
     that environment variable and record their relative differences to the first run (`ab_err`), and the
     programs that `TILES` counted in each run (`tiles`, `ab_tiles`)."""
-    while True:  # fresh inputs each run (the seed is printed to reproduce a failure), without exact ties
+    while True:  # fresh inputs each run (the seed is printed to reproduce a failure), without exact ties or kinks
         seed = int.from_bytes(os.urandom(2), "little")
         tensors, kw = make_case(variant, T, H, I, E, K, dtype, seed=seed)
-        if not _tie_at_top_k(tensors, kw) and (accept is None or accept(tensors, kw)):
+        if not _tie_at_top_k(tensors, kw) and not _near_relu_kink(tensors, kw) and (accept is None
+                                                                                    or accept(tensors, kw)):
             break
     out, w, ids = moe.fused_moe_forward(*tensors, **kw)
     r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
