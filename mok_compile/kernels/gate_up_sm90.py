@@ -31,8 +31,10 @@ def _entry():
 def eligible(x, gate_up_proj, gate_up_bias, kw) -> bool:
     """Whether the forward gate_up of this call fits the kernel: bf16 on an sm_90 GPU, gated SiLU with gate and
     up as row blocks of W1 [E, 2I, H] (F.linear layout, contiguous), E <= 256, no bias, no weight on the input,
-    16-byte rows (H, I multiples of 8). Checks shapes only; `available()` says whether it builds."""
-    if not (cuda_sm90.on_sm90(x) and x.dtype == torch.bfloat16 and gate_up_proj.dtype == torch.bfloat16):
+    16-byte rows (H, I multiples of 8), x and W1 16-byte aligned. Checks the tensors only; `available()` says
+    whether it builds."""
+    if not (cuda_sm90.on_sm90(x) and x.dtype == torch.bfloat16 and gate_up_proj.dtype == torch.bfloat16
+            and x.is_contiguous() and x.data_ptr() % 16 == 0):
         return False
     if (not kw["gated"] or kw["activation"] != "silu" or kw["interleaved"] or kw["transposed"]
             or kw.get("weight_on_input", False) or gate_up_bias is not None):

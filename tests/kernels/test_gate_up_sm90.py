@@ -19,21 +19,25 @@ needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs an sm_90 GPU")
 
 
-def test_only_calls_that_fit_the_kernel_are_eligible():
+def test_only_calls_that_fit_the_kernel_are_eligible(monkeypatch):
+    from mok_compile.kernels import cuda_sm90
+
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
-    w1 = torch.zeros(8, 64, 64, dtype=torch.bfloat16)
+    w1 = torch.zeros(8, 128, 64, dtype=torch.bfloat16)
     assert not gate_up_sm90.eligible(x, w1, None, _KW)  # a CPU tensor
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        xc, wc = x.cuda(), w1.cuda()
-        assert gate_up_sm90.eligible(xc, wc, None, _KW)
-        assert not gate_up_sm90.eligible(xc.half(), wc.half(), None, _KW)
-        assert not gate_up_sm90.eligible(xc, wc, torch.zeros(8, 64, device="cuda"), _KW)  # a bias
-        for change in (dict(interleaved=True), dict(activation="gelu_tanh"), dict(transposed=True),
-                       dict(weight_on_input=True)):
-            assert not gate_up_sm90.eligible(xc, wc, None, {**_KW, **change}), change
-        assert not gate_up_sm90.eligible(xc[:, :60], wc[:, :, :60], None, _KW)  # rows not 16-byte aligned
-        assert not gate_up_sm90.eligible(xc, torch.zeros(257, 64, 64, dtype=torch.bfloat16, device="cuda"), None,
-                                         _KW)  # more than 256 experts
+    monkeypatch.setattr(cuda_sm90, "on_sm90", lambda t: True)  # the rest checks the tensors alone: CPU ones here
+    assert gate_up_sm90.eligible(x, w1, None, _KW)
+    assert not gate_up_sm90.eligible(x.half(), w1.half(), None, _KW)
+    assert not gate_up_sm90.eligible(x, w1, torch.zeros(8, 128), _KW)  # a bias
+    for change in (dict(interleaved=True), dict(activation="gelu_tanh"), dict(transposed=True),
+                   dict(weight_on_input=True), dict(gated=False)):
+        assert not gate_up_sm90.eligible(x, w1, None, {**_KW, **change}), change
+    assert not gate_up_sm90.eligible(x[:, :60], w1[:, :, :60], None, _KW)  # rows not 16-byte aligned
+    x_off = torch.zeros(4 * 64 + 4, dtype=torch.bfloat16)[4:].view(4, 64)
+    assert not gate_up_sm90.eligible(x_off, w1, None, _KW)  # x starts 8 bytes past a 16-byte boundary
+    assert not gate_up_sm90.eligible(x, w1.transpose(1, 2), None, _KW)  # not contiguous
+    assert not gate_up_sm90.eligible(x, torch.zeros(257, 128, 64, dtype=torch.bfloat16), None,
+                                     _KW)  # more than 256 experts
 
 
 def _problem(T, H, I, E, K, ids=None, seed=0):

@@ -17,20 +17,21 @@ from tests.kernels.test_gate_up_sm90 import _experts_hit, _problem, needs_sm90
 _KW = dict(gated=True, activation="silu", interleaved=False, transposed=False)
 
 
-def test_only_calls_that_fit_the_kernel_are_eligible():
+def test_only_calls_that_fit_the_kernel_are_eligible(monkeypatch):
+    from mok_compile.kernels import cuda_sm90
+
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     w1, w2 = torch.zeros(8, 128, 64, dtype=torch.bfloat16), torch.zeros(8, 64, 64, dtype=torch.bfloat16)
     assert not wgrad_sm90.eligible(x, w1, w2, _KW)  # a CPU tensor
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        xc, w1c, w2c = x.cuda(), w1.cuda(), w2.cuda()
-        assert wgrad_sm90.eligible(xc, w1c, w2c, _KW)
-        assert wgrad_sm90.eligible(xc, w1c, w2c, {**_KW, "transposed": True, "interleaved": True})
-        assert not wgrad_sm90.eligible(xc.half(), w1c.half(), w2c.half(), _KW)
-        assert not wgrad_sm90.eligible(xc, w1c, w2c, {**_KW, "weight_on_input": True})
-        assert not wgrad_sm90.eligible(xc[:, :60], w1c[:, :, :60], w2c[:, :60], _KW)  # rows not 16-byte aligned
-        x_off = torch.zeros(4 * 64 + 4, dtype=torch.bfloat16, device="cuda")[4:].view(4, 64)
-        assert not wgrad_sm90.eligible(x_off, w1c, w2c, _KW)  # x starts 8 bytes past a 16-byte boundary
-        assert not wgrad_sm90.eligible(xc, w1c.transpose(1, 2), w2c, _KW)  # not contiguous
+    monkeypatch.setattr(cuda_sm90, "on_sm90", lambda t: True)  # the rest checks the tensors alone: CPU ones here
+    assert wgrad_sm90.eligible(x, w1, w2, _KW)
+    assert wgrad_sm90.eligible(x, w1, w2, {**_KW, "transposed": True, "interleaved": True})
+    assert not wgrad_sm90.eligible(x.half(), w1.half(), w2.half(), _KW)
+    assert not wgrad_sm90.eligible(x, w1, w2, {**_KW, "weight_on_input": True})
+    assert not wgrad_sm90.eligible(x[:, :60], w1[:, :, :60], w2[:, :60], _KW)  # rows not 16-byte aligned
+    x_off = torch.zeros(4 * 64 + 4, dtype=torch.bfloat16)[4:].view(4, 64)
+    assert not wgrad_sm90.eligible(x_off, w1, w2, _KW)  # x starts 8 bytes past a 16-byte boundary
+    assert not wgrad_sm90.eligible(x, w1.transpose(1, 2), w2, _KW)  # not contiguous
 
 
 def test_the_op_rejects_shapes_that_do_not_fit():
