@@ -147,16 +147,20 @@ struct Tile {
   int mode, expert, row0, row_end, n0;
 };
 
+// Cluster tiles per N tile: the same-expert pairs, then the odd blocks out two at a time.
+__device__ __forceinline__ int num_pairs(const ExpertTable& tab, int E) {
+  return tab.first_pair[E] + (tab.first_odd[E] + 1) / 2;
+}
+
 // This CTA's share of cluster tile t: pair (GROUP pairs at a time, pair fastest; grouped_gemm.py's _tile_of)
 // and N tile. kMulticast: rank r takes block 2j + r of one expert, and both share its W1 tiles. kAlone: an odd
 // block out, loading its own W1 tiles. kIdle: no block (the last odd pair's rank 1): it runs the K steps on zero
 // rows and stores nothing, so both ranks stay at the same pipeline stage.
 __device__ Tile tile_at(const ExpertTable& tab, int E, int t, int num_n, int rank) {
   const int total_pairs = tab.first_pair[E], total_odd = tab.first_odd[E];
-  const int num_pairs = total_pairs + (total_odd + 1) / 2;
   const int per_group = GROUP * num_n;
   const int first = (t / per_group) * GROUP;
-  const int size = min(num_pairs - first, GROUP);
+  const int size = min(num_pairs(tab, E) - first, GROUP);
   const int pair = first + (t % per_group) % size;
   Tile tile;
   tile.n0 = ((t % per_group) / size) * BN_HALF;
@@ -175,10 +179,6 @@ __device__ Tile tile_at(const ExpertTable& tab, int E, int t, int num_n, int ran
   tile.row_end = tile.mode == kIdle ? tile.row0 : min(tab.row_start[tile.expert] + tab.count[tile.expert],
                                                       tile.row0 + BM);
   return tile;
-}
-
-__device__ __forceinline__ int num_cluster_tiles(const ExpertTable& tab, int E, int num_n) {
-  return (tab.first_pair[E] + (tab.first_odd[E] + 1) / 2) * num_n;
 }
 
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
@@ -200,7 +200,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)
   cluster_sync();  // the partner's barriers exist before any multicast load or remote arrive
   const int rank = static_cast<int>(cluster_rank());
   const int cluster = blockIdx.x / 2, num_clusters = gridDim.x / 2;
-  const int num_tiles = num_cluster_tiles(tab, p.E, p.num_n);
+  const int num_tiles = num_pairs(tab, p.E) * p.num_n;
   const int num_k = (p.H + BK - 1) / BK;
   const int lane = threadIdx.x % 32;
 
