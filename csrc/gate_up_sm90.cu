@@ -341,7 +341,5 @@ extern "C" int mok_gate_up_sm90(const void* x, const int* sorted_pair, const voi
   const long long max_tiles = (max_blocks + 1) / 2 * params.num_n;
   const unsigned grid = 2 * static_cast<unsigned>(max_tiles < sms / 2 ? max_tiles : sms / 2);
   gate_up_kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(map, params);
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
-  return 0;
+  return launch_status(err, err_len);
 }

@@ -174,4 +174,10 @@ int sm_count(Kernel kernel, int smem_bytes, int (&cache)[64], int& sms, char* er
   return status == cudaSuccess ? 0 : fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
 }
 
+// 0 if the launch just made went in, else its CUDA error code with the text in `err`.
+inline int launch_status(char* err, int err_len) {
+  const cudaError_t status = cudaGetLastError();
+  return status == cudaSuccess ? 0 : fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
+}
+
 }  // namespace mok_sm90_host

@@ -287,7 +287,5 @@ extern "C" int mok_wgrad_sm90(const void* p, const void* q, const int* sorted_pa
   const long long tiles = static_cast<long long>(E) * params.num_m * params.num_n;
   const unsigned grid = static_cast<unsigned>(tiles < sms ? tiles : sms);
   wgrad_kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(map, p_map, q_map, params);
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) return fail(err, err_len, cudaGetErrorString(status), static_cast<int>(status));
-  return 0;
+  return launch_status(err, err_len);
 }
