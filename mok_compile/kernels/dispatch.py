@@ -29,8 +29,9 @@ from .routing import place_pairs, routing_warps
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    pid = tl.program_id(0)
+def _chunk_hits(ids_ptr, pid, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Chunk `pid` of the tokens: its rows, their mask, the expert columns, and hits[t, e] = 1 where token t picked
+    expert e."""
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < T
@@ -38,6 +39,13 @@ def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr
     for k in tl.static_range(K):
         idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
         hits += (idk[:, None] == cols[None, :]).to(tl.int32)
+    return rows, rmask, cols, hits
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    _, _, cols, hits = _chunk_hits(ids_ptr, pid, T, K, BLOCK_T, BLOCK_E)
     tl.store(counts_ptr + pid * BLOCK_E + cols, tl.sum(hits, axis=0))
 
 
@@ -76,13 +84,7 @@ def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, p
                     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """Position of pair (t, k) = start[e] + pairs of e in earlier chunks + earlier tokens of this chunk."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    rmask = rows < T
-    hits = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
-    for k in tl.static_range(K):
-        idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
-        hits += (idk[:, None] == cols[None, :]).to(tl.int32)
+    rows, rmask, cols, hits = _chunk_hits(ids_ptr, pid, T, K, BLOCK_T, BLOCK_E)
     # A token picks each expert at most once, so earlier pairs of the same expert are earlier tokens.
     base = tl.load(expert_start_ptr + cols, mask=cols < E, other=0) + tl.load(chunk_off_ptr + pid * BLOCK_E + cols)
     pos_mat = base[None, :] + tl.cumsum(hits, axis=0) - hits
