@@ -136,14 +136,24 @@ def test_cuda_graph_replay_and_no_tokens():
 @pytest.mark.parametrize("training", [False, True])
 def test_fused_op_with_the_cuda_gate_up_equals_the_triton_one(monkeypatch, training):
     """The whole op, forward gate_up forced onto each kernel: same outputs (and saved h), bit for bit."""
-    from mok_compile.kernels import moe
+    from mok_compile.kernels import moe, plan
     from tests.kernels.cases import make_case
 
+    monkeypatch.setattr(plan, "enabled", False)  # each call runs the engine it names, none replays a recording
+    calls = []
+    real = gate_up_sm90.gate_up
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gate_up_sm90, "gate_up", counted)
     tensors, kw = make_case("qwen3", T=700, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     results = {}
     for engine in ("sm90", "triton"):
         monkeypatch.setenv("MOK_GEMM_ENGINE", f"gate_up={engine}")
         results[engine] = moe.fused_moe_forward(*tensors, save_gate_up=training, **kw)
+    assert len(calls) == 1  # the gate_up ran on the CUDA kernel under sm90 (no fallback to Triton) only
     for got, want in zip(results["sm90"], results["triton"]):
         assert torch.equal(got, want)
 

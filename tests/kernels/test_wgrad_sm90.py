@@ -133,6 +133,14 @@ def test_backward_with_the_cuda_weight_gradients_equals_the_cutlass_one(monkeypa
     from tests.kernels.cases import make_case
 
     monkeypatch.setattr(plan, "enabled", False)  # a plan recorded under one engine would replay it under the other
+    calls = []
+    real = wgrad_sm90.wgrad
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(wgrad_sm90, "wgrad", counted)
     tensors, kw = make_case(variant, T=700, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     results = {}
@@ -141,5 +149,6 @@ def test_backward_with_the_cuda_weight_gradients_equals_the_cutlass_one(monkeypa
         out, w, ids = moe.fused_moe_forward(*tensors, **kw)
         go = torch.randn(out.shape, device="cuda", generator=g.manual_seed(1)).to(out.dtype)
         results[engine] = [t for t in moe.fused_moe_backward(go, None, *tensors, w, ids, **kw) if t is not None]
+    assert len(calls) == 2  # dW1 and dW2 ran on the CUDA kernel under sm90 (no fallback to CUTLASS), none else
     for got, want in zip(results["sm90"], results["cutlass"], strict=True):
         assert torch.equal(got, want)
