@@ -131,6 +131,19 @@ def test_cuda_graph_replay_and_no_tokens():
     gate_up_sm90.gate_up(x0, disp0, w10, empty)  # nothing to do, nothing launched
 
 
+def _count_calls(monkeypatch, module, name) -> list:
+    """Replaces module.name by a wrapper that appends to the returned list on each call: proof that a whole-op test
+    ran the CUDA kernel rather than the engine it falls back to."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 @needs_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [False, True])
@@ -140,14 +153,7 @@ def test_fused_op_with_the_cuda_gate_up_equals_the_triton_one(monkeypatch, train
     from tests.kernels.cases import make_case
 
     monkeypatch.setattr(plan, "enabled", False)  # each call runs the engine it names, none replays a recording
-    calls = []
-    real = gate_up_sm90.gate_up
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(gate_up_sm90, "gate_up", counted)
+    calls = _count_calls(monkeypatch, gate_up_sm90, "gate_up")
     tensors, kw = make_case("qwen3", T=700, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     results = {}
     for engine in ("sm90", "triton"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mok_compile.kernels import cutlass_gemm, wgrad_sm90
-from tests.kernels.test_gate_up_sm90 import _experts_hit, _problem, needs_sm90
+from tests.kernels.test_gate_up_sm90 import _count_calls, _experts_hit, _problem, needs_sm90
 
 _KW = dict(gated=True, activation="silu", interleaved=False, transposed=False)
 
@@ -133,14 +133,7 @@ def test_backward_with_the_cuda_weight_gradients_equals_the_cutlass_one(monkeypa
     from tests.kernels.cases import make_case
 
     monkeypatch.setattr(plan, "enabled", False)  # a plan recorded under one engine would replay it under the other
-    calls = []
-    real = wgrad_sm90.wgrad
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(wgrad_sm90, "wgrad", counted)
+    calls = _count_calls(monkeypatch, wgrad_sm90, "wgrad")
     tensors, kw = make_case(variant, T=700, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(1)
     results = {}
