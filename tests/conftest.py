@@ -1,6 +1,7 @@
-"""Shared test set-up: GPU skipping, determinism of random inputs, quiet logs."""
+"""Shared test set-up: GPU skipping, fresh random inputs for the GPU tests, Dynamo resets."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -9,6 +10,40 @@ import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def pytest_configure(config):
+    """One seed per run for the GPU tests' inputs, chosen here (before xdist starts its workers, which inherit it)."""
+    os.environ.setdefault("MOK_TEST_SEED", str(int.from_bytes(os.urandom(3), "little")))
+
+
+def pytest_report_header(config):
+    seed = os.environ["MOK_TEST_SEED"]
+    return f"GPU tests' random inputs: MOK_TEST_SEED={seed} (set it to draw this run's inputs again)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if HAS_CUDA:  # also under -q, which leaves out the header
+        terminalreporter.write_line(pytest_report_header(terminalreporter.config))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_inputs_for_gpu_tests(request):
+    """A @pytest.mark.gpu test draws new random inputs each run: its seeds (`tests.kernels.cases.generator`,
+    `make_case`) are offset by the run's seed, and torch's global generators are seeded from the run's seed and the
+    test's id. The other tests keep fixed inputs."""
+    from tests.kernels import cases
+
+    if "gpu" not in request.keywords:
+        yield
+        return
+    run_seed = int(os.environ["MOK_TEST_SEED"])
+    cases.SEED_OFFSET = run_seed
+    torch.manual_seed(run_seed + zlib.crc32(request.node.nodeid.encode()))
+    try:
+        yield
+    finally:
+        cases.SEED_OFFSET = 0
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mok_compile.ops import reference
@@ -90,6 +92,17 @@ HALF_TAIL_TMA_INTERPRET_CASES = [
 ]
 
 
+# Added to every seed below. tests/conftest.py sets it to the run's seed (MOK_TEST_SEED, fresh each pytest run) while a
+# @pytest.mark.gpu test runs, so that the GPU tests draw new inputs each run, and back to 0 for the CPU tests, which
+# keep fixed inputs (the interpreter checks draw their own, `interpret_runner.check`).
+SEED_OFFSET = 0
+
+
+def generator(seed: int, device="cpu") -> torch.Generator:
+    """A generator on `device` seeded with `seed` + SEED_OFFSET."""
+    return torch.Generator(device=device).manual_seed(seed + SEED_OFFSET)
+
+
 def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0, logits=None):
     """(positional tensors, kwargs) of `mok.fused_moe` for `variant`, random (never zero) values.
 
@@ -99,7 +112,7 @@ def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0,
     routing = RoutingSpec(top_k=K, **routing_kw)
     if logits is not None:
         routing = RoutingSpec(**{**routing.__dict__, "router_is_logits": True})
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
 
     def rnd(*shape, scale=1.0, dt=dtype):
         return (torch.randn(shape, generator=g) * scale).to(device=device, dtype=dt)
@@ -133,6 +146,24 @@ def fp32_expert_reference(tensors, kw, topk_weights, topk_ids):
                                        interleaved=kw["interleaved"], transposed=kw["transposed"],
                                        alpha=kw["alpha"], limit=kw["limit"],
                                        weight_on_input=kw.get("weight_on_input", False))
+
+
+@contextlib.contextmanager
+def rounded_before_bias(dtype):
+    """The reference with each x @ W rounded to `dtype` before its bias is added, as HF's grouped path (and the
+    CUTLASS engine's gate_up) does. The GPU tests measure with it how much their inputs amplify 16-bit rounding:
+    across ReLU's jump at 0 (a few pre-activations land on its other side), or in an ill-conditioned gradient."""
+    fp32_order = reference._project
+
+    def project(x, weight, bias, transposed):
+        out = fp32_order(x, weight, None, transposed).to(dtype).to(x.dtype)
+        return out if bias is None else out + bias
+
+    reference._project = project
+    try:
+        yield
+    finally:
+        reference._project = fp32_order
 
 
 def rel_err(a, b):

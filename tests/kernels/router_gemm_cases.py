@@ -3,7 +3,7 @@ CPU test (run in a subprocess, which imports this module after setting TRITON_IN
 
 import torch
 
-from tests.kernels.cases import rel_err
+from tests.kernels.cases import generator, rel_err
 
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 # (M, K, N, a dtype, b dtype, bias, a transposed): the three uses (x @ W^T, dl^T @ x, dl @ W), an fp16 operand,
@@ -16,7 +16,7 @@ CPU_CASES = [(37, 70, 45, bf16, f32, True, False), (45, 37, 70, f32, bf16, False
 def compare(M, K, N, da, db, with_bias, a_transposed, device="cpu", seed=0) -> dict:
     from mok_compile.kernels import router_gemm
 
-    g = torch.Generator(device=device).manual_seed(seed)
+    g = generator(seed, device)
     a = torch.randn((K, M) if a_transposed else (M, K), generator=g, device=device).to(da)
     a = a.t() if a_transposed else a
     b = (torch.randn(N, K, generator=g, device=device) * max(K, 1) ** -0.5).to(db).t()  # [K, N] view, as W^T

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mok_compile.kernels import gate_up_sm90
+from tests.kernels.cases import generator
 
 _KW = dict(gated=True, activation="silu", interleaved=False, transposed=False)
 
@@ -44,7 +45,7 @@ def _problem(T, H, I, E, K, ids=None, seed=0):
     from mok_compile.kernels.dispatch import Dispatch, count_chunks
     from mok_compile.kernels.routing import routing_block
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = generator(seed, "cuda")
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
     w1 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     if ids is None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mok_compile.kernels import launch, moe, plan
-from tests.kernels.cases import VARIANTS as CASE_VARIANTS, make_case
+from tests.kernels.cases import VARIANTS as CASE_VARIANTS, generator, make_case
 
 
 class _Logged:
@@ -255,7 +255,7 @@ def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans
     def step(tensors):
         out = moe.fused_moe_forward(*tensors, **kw)
         tout, tw, tids, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
-        go = torch.randn(tout.shape, dtype=tout.dtype, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        go = torch.randn(tout.shape, dtype=tout.dtype, device="cuda", generator=generator(1, "cuda"))
         recomputed = moe.fused_moe_backward(go, None, *tensors, tw, tids, **kw)
         saved = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h.clone(), router_logits=logits,
                                        routing_layout=layout, **kw)

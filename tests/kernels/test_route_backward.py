@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 _CASES = r"""
 import torch
+from tests.kernels.cases import generator
 from mok_compile.kernels.routing import route_backward
 
 def compare(device, low):
@@ -19,7 +20,7 @@ def compare(device, low):
                                             (37, 16, 4, "softmax_topk", False, True),
                                             (70, 32, 8, "topk_softmax", False, False),
                                             (21, 12, 3, "sigmoid_grouped_topk", True, True)]:
-        g = torch.Generator().manual_seed(T * 7 + E)
+        g = generator(T * 7 + E)  # fresh inputs on the GPU (tests/conftest.py)
         logits = torch.randn(T, E, generator=g).to(low).to(device)
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
         pair_pos = torch.randperm(T * K, generator=g).to(torch.int32).to(device)

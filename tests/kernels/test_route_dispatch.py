@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 _CASES = r"""
 import torch
+from tests.kernels.cases import generator
 from mok_compile.kernels import routing
 from mok_compile.kernels.dispatch import Dispatch, count_chunks
 
@@ -23,7 +24,7 @@ def compare(device, dtype):
     for T, E, K, kind in [(1, 8, 2, "softmax_topk"), (5, 128, 8, "softmax_topk"), (32, 128, 8, "topk_softmax"),
                           (33, 128, 8, "softmax_topk"), (7, 12, 3, "topk_sigmoid"),
                           (3, 16, 4, "sigmoid_grouped_topk"), (2, 256, 8, "sigmoid_grouped_topk")]:
-        g = torch.Generator().manual_seed(T * 31 + E)
+        g = generator(T * 31 + E)  # fresh inputs on the GPU (tests/conftest.py)
         logits = torch.randn(T, E, generator=g).to(dtype).to(device)
         grouped = kind == "sigmoid_grouped_topk"
         kw = dict(top_k=K, routing=kind, softmax_fp32=True, renormalize=True, renorm_eps=0.0, routed_scale=1.0,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mok_compile.ops import reference
-from tests.kernels.cases import VARIANTS, fp32_expert_reference, make_case, rel_err
+from tests.kernels.cases import VARIANTS, fp32_expert_reference, generator, make_case, rel_err, rounded_before_bias
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -47,11 +47,42 @@ def _op(tensors, kw):
     return torch.ops.mok.fused_moe(*tensors, **kw)
 
 
-def _backward(tensors, kw, w, ids, seed=1):
-    g = torch.Generator(device=DEV).manual_seed(seed)
+def _grad_outputs(tensors, w, seed=1):
+    g = generator(seed, DEV)
     go = torch.randn(tensors[0].shape, device=DEV, generator=g).to(tensors[0].dtype)
-    gw = torch.randn(w.shape, device=DEV, generator=g).to(w.dtype)
+    return go, torch.randn(w.shape, device=DEV, generator=g).to(w.dtype)
+
+
+def _backward(tensors, kw, w, ids, seed=1):
+    go, gw = _grad_outputs(tensors, w, seed)
     return go, gw, torch.ops.mok.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
+
+
+def _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads):
+    """Each gradient's relative distance between the fp32 reference and the same with both projections rounded to the
+    inputs' 16-bit dtype before their biases (HF's order): how much these inputs amplify bf16 rounding."""
+    with rounded_before_bias(tensors[0].dtype):
+        rounded = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    return {name: rel_err(a, b) for name, a, b in zip(GRAD_NAMES, rounded, r_grads) if b is not None}
+
+
+def _well_conditioned_case(variant, T, H, I, E, K, **checked):
+    """`make_case` in bf16, redrawn while its router gradient is ill-conditioned. At a token or a few, that gradient
+    is a difference of near-equal terms (renormalised weights, or the weight-on-input dot product <dxs, x>) in about a
+    tenth of the draws, and its bf16 error relative to itself then exceeds any tolerance on every engine alike (0.86
+    seen at T=1). So a draw is kept where rounding the two projections alone moves it by under GRAD_TOL / 4.
+    `checked`: kwargs that the test overrides before `_check`."""
+    for attempt in range(50):
+        tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device=DEV,
+                                seed=T + 1000 * attempt)
+        kw_checked = {**kw, **checked}
+        _, w, ids = reference.fused_moe_reference(*tensors, **kw_checked)
+        go, gw = _grad_outputs(tensors, w)
+        r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw_checked)
+        moved = _rounding_sensitivity(go, gw, tensors, kw_checked, w, ids, r_grads)
+        if max(moved.get("drouter", 0.0), moved.get("drouter_bias", 0.0)) < GRAD_TOL[torch.bfloat16] / 4:
+            return tensors, kw
+    raise AssertionError(f"no well-conditioned draw of {variant} at T={T} in 50")
 
 
 def _check(tensors, kw, dtype):
@@ -67,10 +98,22 @@ def _check(tensors, kw, dtype):
     assert rel_err(out, fp32_expert_reference(tensors, kw, w, ids)) < FWD_TOL[dtype]
     go, gw, grads = _backward(tensors, kw, w, ids)
     r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    slack = _kink_slack(go, gw, tensors, kw, w, ids, r_grads)
     for name, a, b in zip(GRAD_NAMES, grads, r_grads):
         assert (a is None) == (b is None), name
         if b is not None:
-            assert rel_err(a, b) < GRAD_TOL[dtype], (name, rel_err(a, b))
+            assert rel_err(a, b) < GRAD_TOL[dtype] + slack.get(name, 0.0), (name, rel_err(a, b), slack.get(name))
+
+
+def _kink_slack(go, gw, tensors, kw, w, ids, r_grads):
+    """ReLU's derivative jumps at 0: with 16-bit inputs and expert biases, an engine that rounds x @ W1 before adding
+    the bias (HF's order; the CUTLASS engine) takes the other side of the jump than the fp32 reference at the few
+    pre-activations that rounding moves across 0 (~17 of the 86400 in the relu case: up to 1.7e-2 in dW1), one
+    that adds it in fp32 takes the reference's side. Either is right, so each gradient's tolerance grows by its
+    distance between the two references, measured on these inputs (0 where no pre-activation crosses)."""
+    if kw["activation"] != "relu" or tensors[0].dtype == torch.float32:
+        return {}
+    return _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads)
 
 
 # Every variant in bf16; fp16 and fp32 for one of each routing family and expert layout.
@@ -87,7 +130,7 @@ def test_variant_matches_reference(variant, dtype):
 
 @pytest.mark.parametrize("T", [1, 7, 129, 1000])
 def test_odd_token_counts(T):
-    tensors, kw = make_case("qwen3", T=T, H=136, I=40, E=12, K=3, dtype=torch.bfloat16, device=DEV, seed=T)
+    tensors, kw = _well_conditioned_case("qwen3", T=T, H=136, I=40, E=12, K=3)
     _check(tensors, kw, torch.bfloat16)
 
 
@@ -95,7 +138,7 @@ def test_odd_token_counts(T):
 @pytest.mark.parametrize("T", [1, 129, 1000])
 def test_weight_on_input_top1(variant, T):
     """Llama4 routes each token to one expert (k=1): the expert sees (x * w).to(x.dtype), summed unweighted."""
-    tensors, kw = make_case(variant, T=T, H=136, I=40, E=16, K=1, dtype=torch.bfloat16, device=DEV, seed=T)
+    tensors, kw = _well_conditioned_case(variant, T=T, H=136, I=40, E=16, K=1, renormalize=False)
     if kw.get("renormalize"):
         # One renormalised weight is the constant routed_scale: the router's true gradient is exactly zero (the
         # reference gives 0, the kernel rounding noise), so a relative error is meaningless there. Check the

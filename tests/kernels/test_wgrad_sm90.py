@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mok_compile.kernels import cutlass_gemm, wgrad_sm90
+from tests.kernels.cases import generator
 from tests.kernels.test_gate_up_sm90 import _count_calls, _experts_hit, _problem, needs_sm90
 
 _KW = dict(gated=True, activation="silu", interleaved=False, transposed=False)
@@ -52,7 +53,7 @@ def test_the_op_rejects_shapes_that_do_not_fit():
 def _operands(x, disp, P, side, seed):
     """(p, q, p_gather, q_gather) for one weight gradient: the gathered operand is x itself, the other one a
     random [T*K, P] in sorted order (dh or w * act)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = generator(seed, "cuda")
     rows = torch.randn(disp.num_pairs, P, device="cuda", generator=g).to(torch.bfloat16)
     return (rows, x, False, True) if side == "q" else (x, rows, True, False)
 
@@ -135,12 +136,11 @@ def test_backward_with_the_cuda_weight_gradients_equals_the_cutlass_one(monkeypa
     monkeypatch.setattr(plan, "enabled", False)  # a plan recorded under one engine would replay it under the other
     calls = _count_calls(monkeypatch, wgrad_sm90, "wgrad")
     tensors, kw = make_case(variant, T=700, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(1)
     results = {}
     for engine in ("sm90", "cutlass"):
         monkeypatch.setenv("MOK_GEMM_ENGINE", f"wgrad={engine}")
         out, w, ids = moe.fused_moe_forward(*tensors, **kw)
-        go = torch.randn(out.shape, device="cuda", generator=g.manual_seed(1)).to(out.dtype)
+        go = torch.randn(out.shape, device="cuda", generator=generator(1, "cuda")).to(out.dtype)
         results[engine] = [t for t in moe.fused_moe_backward(go, None, *tensors, w, ids, **kw) if t is not None]
     assert len(calls) == 2  # dW1 and dW2 ran on the CUDA kernel under sm90 (no fallback to CUTLASS), none else
     for got, want in zip(results["sm90"], results["cutlass"], strict=True):
