@@ -14,7 +14,10 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 def pytest_configure(config):
     """One seed per run for the GPU tests' inputs, chosen here (before xdist starts its workers, which inherit it)."""
-    os.environ.setdefault("MOK_TEST_SEED", str(int.from_bytes(os.urandom(3), "little")))
+    seed = os.environ.get("MOK_TEST_SEED") or str(int.from_bytes(os.urandom(3), "little"))
+    if not seed.isdigit():
+        raise pytest.UsageError(f"MOK_TEST_SEED must be a non-negative integer, not {seed!r}")
+    os.environ["MOK_TEST_SEED"] = seed
 
 
 def pytest_report_header(config):
