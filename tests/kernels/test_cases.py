@@ -29,13 +29,6 @@ def test_rounded_before_bias_rounds_16_bit_projections_only_inside():
     assert all(a is None or torch.equal(a, b) for a, b in zip(rounded32, _fp32_backward(tensors32, kw32)))
 
 
-def _router_sensitivity(tensors, kw):
-    _, w, ids = reference.fused_moe_reference(*tensors, **kw)
-    go, gw = test_triton_gpu._grad_outputs(tensors, w)
-    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
-    return test_triton_gpu._rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads)["drouter"]
-
-
 def test_well_conditioned_case_redraws_only_ill_conditioned_draws(monkeypatch):
     """Llama4 at one token: a first draw whose router gradient rounding moves by more than GRAD_TOL / 4 is replaced by
     one that it moves less; a first draw below that is kept."""
@@ -46,13 +39,13 @@ def test_well_conditioned_case_redraws_only_ill_conditioned_draws(monkeypatch):
     for offset in range(200):
         monkeypatch.setattr(cases, "SEED_OFFSET", offset)
         first, kw = make_case(**args, dtype=torch.bfloat16, seed=1)  # the helper's first attempt: seed T
-        ill = _router_sensitivity(first, kw) >= limit
+        ill = test_triton_gpu._router_rounding_move(first, kw) >= limit
         if ill in seen:
             continue
         seen.add(ill)
         got, got_kw = test_triton_gpu._well_conditioned_case(**args)
         assert torch.equal(got[0], first[0]) != ill
-        assert _router_sensitivity(got, got_kw) < limit
+        assert test_triton_gpu._router_rounding_move(got, got_kw) < limit
         if len(seen) == 2:
             return
     raise AssertionError(f"found only {seen} among 200 first draws")

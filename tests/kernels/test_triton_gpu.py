@@ -66,6 +66,15 @@ def _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads):
     return {name: rel_err(a, b) for name, a, b in zip(GRAD_NAMES, rounded, r_grads) if b is not None}
 
 
+def _router_rounding_move(tensors, kw):
+    """`_rounding_sensitivity` of the router gradient (or of its bias's, if larger) on the reference's routing."""
+    _, w, ids = reference.fused_moe_reference(*tensors, **kw)
+    go, gw = _grad_outputs(tensors, w)
+    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    moved = _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads)
+    return max(moved.get("drouter", 0.0), moved.get("drouter_bias", 0.0))
+
+
 def _well_conditioned_case(variant, T, H, I, E, K, **checked):
     """`make_case` in bf16, redrawn while its router gradient is ill-conditioned. At a token or a few, that gradient
     is a difference of near-equal terms (renormalised weights, or the weight-on-input dot product <dxs, x>) in about a
@@ -75,12 +84,7 @@ def _well_conditioned_case(variant, T, H, I, E, K, **checked):
     for attempt in range(50):
         tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device=DEV,
                                 seed=T + 1000 * attempt)
-        kw_checked = {**kw, **checked}
-        _, w, ids = reference.fused_moe_reference(*tensors, **kw_checked)
-        go, gw = _grad_outputs(tensors, w)
-        r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw_checked)
-        moved = _rounding_sensitivity(go, gw, tensors, kw_checked, w, ids, r_grads)
-        if max(moved.get("drouter", 0.0), moved.get("drouter_bias", 0.0)) < GRAD_TOL[torch.bfloat16] / 4:
+        if _router_rounding_move(tensors, {**kw, **checked}) < GRAD_TOL[torch.bfloat16] / 4:
             return tensors, kw
     raise AssertionError(f"no well-conditioned draw of {variant} at T={T} in 50")
 
