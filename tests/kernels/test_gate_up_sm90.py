@@ -8,6 +8,8 @@ forced onto it equals the op with the Triton gate_up. Anywhere: which calls fit 
 test_cuda_sm90.py).
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -132,19 +134,6 @@ def test_cuda_graph_replay_and_no_tokens():
     gate_up_sm90.gate_up(x0, disp0, w10, empty)  # nothing to do, nothing launched
 
 
-def _count_calls(monkeypatch, module, name) -> list:
-    """Replaces module.name by a wrapper that appends to the returned list on each call: proof that a whole-op test
-    ran the CUDA kernel rather than the engine it falls back to."""
-    calls, real = [], getattr(module, name)
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 @needs_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("training", [False, True])
@@ -154,13 +143,14 @@ def test_fused_op_with_the_cuda_gate_up_equals_the_triton_one(monkeypatch, train
     from tests.kernels.cases import make_case
 
     monkeypatch.setattr(plan, "enabled", False)  # each call runs the engine it names, none replays a recording
-    calls = _count_calls(monkeypatch, gate_up_sm90, "gate_up")
+    calls = mock.Mock(wraps=gate_up_sm90.gate_up)  # proof that the CUDA kernel ran, not the engine it falls back to
+    monkeypatch.setattr(gate_up_sm90, "gate_up", calls)
     tensors, kw = make_case("qwen3", T=700, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     results = {}
     for engine in ("sm90", "triton"):
         monkeypatch.setenv("MOK_GEMM_ENGINE", f"gate_up={engine}")
         results[engine] = moe.fused_moe_forward(*tensors, save_gate_up=training, **kw)
-    assert len(calls) == 1  # the gate_up ran on the CUDA kernel under sm90 (no fallback to Triton) only
+    assert calls.call_count == 1  # the gate_up ran on the CUDA kernel under sm90 (no fallback to Triton) only
     for got, want in zip(results["sm90"], results["triton"]):
         assert torch.equal(got, want)
 
