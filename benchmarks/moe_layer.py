@@ -106,6 +106,39 @@ def build_block(family, sizes, overrides):
     return block.eval()
 
 
+def layer_routing(name, T, seed=0):
+    """(x, topk_weights, topk_ids) of this benchmark's block at shape `name` for T random tokens: the routing its
+    kernels see in the layer. A kernel timed alone on other routing need not rank as in the layer: at DeepSeek-V3
+    T=4096 this block's router sends tokens to 182 of 256 experts (0-1027 rows each), the tuner's random router to
+    all 256 (93-160), and the Triton and CUDA gate_ups swap places between the two (NOTES v31)."""
+    family, sizes, overrides, _ = SHAPES[name]
+    block = build_block(family, sizes, overrides)
+    tensors, kw = hf_blocks.op_arguments(family, block)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, sizes.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    with torch.no_grad():
+        _, topk_weights, topk_ids = torch.ops.mok.fused_moe(x, *tensors, **kw)
+    return x, topk_weights, topk_ids
+
+
+ROUTINGS = ("layer", "random")
+
+
+def kernel_problem(name, T, routing="layer"):
+    """`tune._Problem` (random weights, one kernel at a time) at shape `name`, routed as this benchmark's layer
+    routes (`layer_routing`) or, with routing="random", as the tuner does; and a note of its rows per expert."""
+    from mok_compile.kernels.tune import _Problem
+
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    sizes = SHAPES[name][1]
+    H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
+    problem = _Problem(H, I, E, K, T, routing=layer_routing(name, T) if routing == "layer" else None)
+    counts = problem.disp.expert_count.tolist()
+    note = f"{routing} routing: {sum(1 for c in counts if c)} of {E} experts hit, {min(counts)}-{max(counts)} rows"
+    return problem, note
+
+
 def _first(out):
     return out[0] if isinstance(out, tuple) else out
 

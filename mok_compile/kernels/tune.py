@@ -81,12 +81,14 @@ def candidates(kernel, bucket):
 
 
 class _Problem:
-    """Random layer + real routing at one shape; `launch(kernel, cfg)` runs one kernel."""
+    """Random layer + real routing at one shape; `launch(kernel, cfg)` runs one kernel. `routing`: (x [T, H],
+    topk_weights, topk_ids) to use instead of routing random tokens through a random router (e.g.
+    `benchmarks.moe_layer.layer_routing`: a real block's routing, which can be far less even)."""
 
-    def __init__(self, H, I, E, K, T):
+    def __init__(self, H, I, E, K, T, routing=None):
         from . import moe
-        from .dispatch import Dispatch
-        from .routing import route
+        from .dispatch import Dispatch, count_chunks
+        from .routing import route, routing_block
 
         torch.manual_seed(0)
         dev, dt = "cuda", torch.bfloat16
@@ -95,10 +97,20 @@ class _Problem:
         self.go = torch.randn(T, H, device=dev, dtype=dt)
         self.w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * 0.02
         self.w2 = torch.randn(E, H, I, device=dev, dtype=dt) * 0.02
-        logits = self.x @ (torch.randn(E, H, device=dev, dtype=dt) * 0.02).t()
-        self.w, self.ids, counts, block_t = route(logits, None, top_k=K, routing="softmax_topk", softmax_fp32=True,
-                                                  renormalize=True, renorm_eps=0.0, routed_scale=1.0, n_group=1,
-                                                  topk_group=1, weights_dtype=torch.float32)
+        if routing is None:
+            logits = self.x @ (torch.randn(E, H, device=dev, dtype=dt) * 0.02).t()
+            self.w, self.ids, counts, block_t = route(logits, None, top_k=K, routing="softmax_topk",
+                                                      softmax_fp32=True, renormalize=True, renorm_eps=0.0,
+                                                      routed_scale=1.0, n_group=1, topk_group=1,
+                                                      weights_dtype=torch.float32)
+        else:
+            x, w, ids = routing
+            if tuple(x.shape) != (T, H) or tuple(ids.shape) != (T, K) or tuple(w.shape) != (T, K):
+                raise ValueError(f"_Problem: routing x {tuple(x.shape)}, weights {tuple(w.shape)}, ids "
+                                 f"{tuple(ids.shape)} do not fit T={T}, H={H}, K={K}")
+            self.x, self.w, self.ids = x.to(dev, dt).contiguous(), w.to(dev, torch.float32), ids.to(dev).contiguous()
+            block_t, block_e = routing_block(E)
+            counts = count_chunks(self.ids, E, block_t, block_e)
         self.disp = Dispatch(self.ids, counts, E, block_t)
         TK = T * K
         self.act = torch.randn(TK, I, device=dev, dtype=dt)

@@ -1,0 +1,30 @@
+"""The kernel benchmarks' problems (`moe_layer.kernel_problem`): routed as the layer benchmark's block routes, or as
+the tuner's random router does."""
+
+import pytest
+import torch
+
+from benchmarks.moe_layer import kernel_problem, layer_routing
+
+
+def test_kernel_problem_names_an_unknown_routing():
+    with pytest.raises(ValueError, match="routing must be one of layer, random, got 'tuner'"):
+        kernel_problem("qwen3", 4, "tuner")
+
+
+@pytest.mark.gpu
+def test_kernel_problem_runs_the_layers_routing():
+    """The problem's tokens, routing and sorted layout are the layer block's (the same seed gives the same ids); the
+    tuner's random router routes them otherwise."""
+    T, E = 300, 128
+    x, _, ids = layer_routing("qwen3", T)
+    problem, note = kernel_problem("qwen3", T)
+    assert torch.equal(problem.x, x) and torch.equal(problem.ids, ids)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    assert torch.equal(problem.disp.expert_count.long(), counts)
+    assert note == (f"layer routing: {int((counts > 0).sum())} of {E} experts hit, "
+                    f"{int(counts.min())}-{int(counts.max())} rows")
+    tuner, tuner_note = kernel_problem("qwen3", T, "random")
+    assert tuner_note.startswith("random routing: ")
+    assert not torch.equal(tuner.ids, ids)
+    assert torch.equal(tuner.disp.expert_count.long(), torch.bincount(tuner.ids.flatten(), minlength=E))
