@@ -219,10 +219,11 @@ def engine(stage: str, rows_per_expert: float, transposed: bool = False, expert_
 # The forward gate_up may also run on the Hopper CUDA kernel (csrc/gate_up_sm90.cu: persistent, warp-specialised,
 # W1 tiles multicast to a pair of CTAs; `gate_up_sm90.eligible` says which calls fit it), but only when asked for
 # (MOK_GEMM_ENGINE=gate_up=sm90): it is bit for bit the Triton gate_up's output and not faster in the layer. Kernels
-# alone it ran 0.93x (Qwen3 T=4096) to 1.05-1.15x (Qwen3 T=16384, Mixtral, DeepSeek-V3 T=4096) of the Triton
-# kernel, but the op replayed from CUDA graphs in alternating rounds read 0.96-1.00x forward at those shapes (NOTES
-# v28; measured while a threshold sent those shapes to it, as `python -m benchmarks.configs_ab engine:gate_up=triton
-# engine:auto`; the same comparison now: `... engine:gate_up=triton engine:gate_up=sm90`).
+# alone on the tuner's random routing it ran 0.93x (Qwen3 T=4096) to 1.05-1.15x (Qwen3 T=16384, Mixtral, DeepSeek-V3
+# T=4096) of the Triton kernel, but the op replayed from CUDA graphs in alternating rounds read 0.96-1.00x forward at
+# those shapes (NOTES v28; measured while a threshold sent those shapes to it, as `python -m benchmarks.configs_ab
+# engine:gate_up=triton engine:auto`; the same comparison now: `... engine:gate_up=triton engine:gate_up=sm90`). On
+# the layer's own routing the kernel alone runs 0.93-0.98x at all four shapes (NOTES v31, `benchmarks.gate_up_kernels`).
 
 
 def gate_up_engine(gathered: str) -> str:
