@@ -90,6 +90,9 @@ class _Problem:
         from .dispatch import Dispatch, count_chunks
         from .routing import route, routing_block
 
+        if routing is not None and any(tuple(t.shape) != shape for t, shape in zip(routing, ((T, H), (T, K), (T, K)))):
+            raise ValueError(f"_Problem: routing x, weights, ids of shapes {[tuple(t.shape) for t in routing]} do not "
+                             f"fit T={T}, H={H}, K={K}")
         torch.manual_seed(0)
         dev, dt = "cuda", torch.bfloat16
         self.moe, self.H, self.I, self.E, self.K, self.T = moe, H, I, E, K, T
@@ -105,9 +108,6 @@ class _Problem:
                                                       weights_dtype=torch.float32)
         else:
             x, w, ids = routing
-            if tuple(x.shape) != (T, H) or tuple(ids.shape) != (T, K) or tuple(w.shape) != (T, K):
-                raise ValueError(f"_Problem: routing x {tuple(x.shape)}, weights {tuple(w.shape)}, ids "
-                                 f"{tuple(ids.shape)} do not fit T={T}, H={H}, K={K}")
             self.x, self.w, self.ids = x.to(dev, dt).contiguous(), w.to(dev, torch.float32), ids.to(dev).contiguous()
             block_t, block_e = routing_block(E)
             counts = count_chunks(self.ids, E, block_t, block_e)

@@ -12,6 +12,17 @@ def test_kernel_problem_names_an_unknown_routing():
         kernel_problem("qwen3", 4, "tuner")
 
 
+def test_problem_rejects_a_routing_of_other_shapes():
+    """Checked before anything is allocated (so on any machine): x, weights and ids must be [T, H], [T, K], [T, K]."""
+    from mok_compile.kernels.tune import _Problem
+
+    x, w, ids = torch.zeros(5, 16), torch.zeros(5, 2), torch.zeros(5, 2, dtype=torch.int64)
+    short_ids = torch.zeros(5, 1, dtype=torch.int64)
+    for bad in ((torch.zeros(4, 16), w, ids), (x, torch.zeros(5, 3), ids), (x, w, short_ids)):
+        with pytest.raises(ValueError, match=r"routing x, weights, ids of shapes .* do not fit T=5, H=16, K=2"):
+            _Problem(16, 8, 4, 2, 5, routing=bad)
+
+
 @pytest.mark.gpu
 def test_kernel_problem_runs_the_layers_routing():
     """The problem's tokens, routing and sorted layout are the layer block's (the same seed gives the same ids); the
