@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
-from .routing import place_pairs, routing_warps
+from .routing import place_pairs, routing_block, routing_warps
 
 
 @triton.jit
@@ -113,6 +113,13 @@ class Dispatch:
         layout = torch.empty(layout_size(num_experts, T * K), dtype=torch.int32, device=topk_ids.device)
         self._view(layout, num_experts, K, T * K)
         self.sort(topk_ids, chunk_counts, block_t)
+
+    @classmethod
+    def from_ids(cls, topk_ids, num_experts) -> "Dispatch":
+        """The layout of `topk_ids` [T, K], counted and sorted here at `routing_block`'s tile, where no routing
+        kernel wrote the counts (the backward's recompute; the tuner and tests on given ids)."""
+        block_t, block_e = routing_block(num_experts)
+        return cls(topk_ids, count_chunks(topk_ids, num_experts, block_t, block_e), num_experts, block_t)
 
     @classmethod
     def unsorted(cls, num_experts, top_k, num_pairs, device) -> "Dispatch":

@@ -55,10 +55,10 @@ from ..ops.library import check_inputs
 from ..ops.spec import with_defaults
 from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, plan, router_gemm, wgrad_sm90
 from .activation import activation_code
-from .dispatch import Dispatch, combine, count_chunks, layout_size
+from .dispatch import Dispatch, combine, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
 from .launch import cdiv, launcher, next_power_of_2
-from .routing import route, route_backward, routing_block
+from .routing import route, route_backward
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -377,8 +377,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     if routing_layout is not None:
         disp = Dispatch.from_layout(routing_layout, E, K, T * K)
     else:
-        block_t, block_e = routing_block(E)
-        disp = Dispatch(topk_ids, count_chunks(topk_ids, E, block_t, block_e), E, block_t)
+        disp = Dispatch.from_ids(topk_ids, E)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     go = grad_out.to(x.dtype).contiguous()

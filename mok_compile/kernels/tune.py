@@ -87,8 +87,8 @@ class _Problem:
 
     def __init__(self, H, I, E, K, T, routing=None):
         from . import moe
-        from .dispatch import Dispatch, count_chunks
-        from .routing import route, routing_block
+        from .dispatch import Dispatch
+        from .routing import route
 
         if routing is not None and any(tuple(t.shape) != shape for t, shape in zip(routing, ((T, H), (T, K), (T, K)))):
             raise ValueError(f"_Problem: routing x, weights, ids of shapes {[tuple(t.shape) for t in routing]} do not "
@@ -106,12 +106,11 @@ class _Problem:
                                                       softmax_fp32=True, renormalize=True, renorm_eps=0.0,
                                                       routed_scale=1.0, n_group=1, topk_group=1,
                                                       weights_dtype=torch.float32)
+            self.disp = Dispatch(self.ids, counts, E, block_t)
         else:
             x, w, ids = routing
             self.x, self.w, self.ids = x.to(dev, dt).contiguous(), w.to(dev, torch.float32), ids.to(dev).contiguous()
-            block_t, block_e = routing_block(E)
-            counts = count_chunks(self.ids, E, block_t, block_e)
-        self.disp = Dispatch(self.ids, counts, E, block_t)
+            self.disp = Dispatch.from_ids(self.ids, E)
         TK = T * K
         self.act = torch.randn(TK, I, device=dev, dtype=dt)
         self.act2 = torch.empty_like(self.act)

@@ -16,7 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from mok_compile.kernels import configs, cutlass_gemm, grouped_gemm, moe  # noqa: E402
+from mok_compile.kernels import configs, cutlass_gemm, dispatch, grouped_gemm, moe  # noqa: E402
 from mok_compile.ops import reference  # noqa: E402
 from mok_compile.ops.spec import with_defaults  # noqa: E402
 from tests.kernels.cases import (CUTLASS_INTERPRET_CASES, HALF_TAIL_BLOCK_M, HALF_TAIL_INTERPRET_CASES,  # noqa: E402
@@ -62,9 +62,9 @@ def _near_relu_kink(tensors, kw):
 @contextlib.contextmanager
 def _recomputes():
     """Counts the backward's routing recomputations inside the block: the router logits (`moe._logits`) and the
-    dispatch's count (`moe.count_chunks`, which scan and scatter follow)."""
+    dispatch's count (`dispatch.count_chunks`, called by `Dispatch.from_ids`; scan and scatter follow it)."""
     calls = collections.Counter()
-    real_logits, real_count = moe._logits, moe.count_chunks
+    real_logits, real_count = moe._logits, dispatch.count_chunks
 
     def logits(*a, **k):
         calls["logits"] += 1
@@ -74,11 +74,11 @@ def _recomputes():
         calls["count"] += 1
         return real_count(*a, **k)
 
-    moe._logits, moe.count_chunks = logits, count
+    moe._logits, dispatch.count_chunks = logits, count
     try:
         yield calls
     finally:
-        moe._logits, moe.count_chunks = real_logits, real_count
+        moe._logits, dispatch.count_chunks = real_logits, real_count
 
 
 def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):

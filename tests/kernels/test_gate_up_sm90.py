@@ -44,8 +44,7 @@ def test_only_calls_that_fit_the_kernel_are_eligible(monkeypatch):
 
 
 def _problem(T, H, I, E, K, ids=None, seed=0):
-    from mok_compile.kernels.dispatch import Dispatch, count_chunks
-    from mok_compile.kernels.routing import routing_block
+    from mok_compile.kernels.dispatch import Dispatch
 
     g = generator(seed, "cuda")
     x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
@@ -53,8 +52,7 @@ def _problem(T, H, I, E, K, ids=None, seed=0):
     if ids is None:
         ids = torch.rand(T, E, device="cuda", generator=g).argsort(1)[:, :K]
     ids = ids.to(torch.int32).contiguous()
-    block_t, block_e = routing_block(E)
-    return x, w1, Dispatch(ids, count_chunks(ids, E, block_t, block_e), E, block_t)
+    return x, w1, Dispatch.from_ids(ids, E)
 
 
 def _triton_gate_up(x, w1, disp, I, save_h):

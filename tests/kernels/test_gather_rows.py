@@ -12,8 +12,7 @@ _SCRIPT = r"""
 import json
 import torch
 from mok_compile.kernels import cutlass_gemm
-from mok_compile.kernels.dispatch import Dispatch, count_chunks
-from mok_compile.kernels.routing import routing_block
+from mok_compile.kernels.dispatch import Dispatch
 
 res = []
 # (T, H, E, K, dtype, scaled): H past one 512-column block and not a multiple of it; T not a multiple of the
@@ -26,8 +25,7 @@ for T, H, E, K, dtype, scaled in [(1, 24, 4, 2, torch.float32, False), (37, 72, 
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K)
     ids = ids.to(torch.int32)
     scale = torch.rand(T * K, generator=g) if scaled else None
-    block_t, block_e = routing_block(E)
-    disp = Dispatch(ids, count_chunks(ids, E, block_t, block_e), E, block_t)
+    disp = Dispatch.from_ids(ids, E)
     got = cutlass_gemm.gather_rows(x, disp, scale=scale)
     want = x.index_select(0, (disp.sorted_pair // K).long())
     if scaled:
@@ -54,14 +52,12 @@ def test_spread_equals_index_select_on_the_gpu(T, H, E, K, scaled):
     import torch
 
     from mok_compile.kernels import cutlass_gemm
-    from mok_compile.kernels.dispatch import Dispatch, count_chunks
-    from mok_compile.kernels.routing import routing_block
+    from mok_compile.kernels.dispatch import Dispatch
 
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(K, dim=1).indices.to(torch.int32)
     scale = torch.rand(T * K, device="cuda", dtype=torch.bfloat16) if scaled else None
-    block_t, block_e = routing_block(E)
-    disp = Dispatch(ids, count_chunks(ids, E, block_t, block_e), E, block_t)
+    disp = Dispatch.from_ids(ids, E)
     want = x.index_select(0, (disp.sorted_pair // K).long())
     if scaled:
         want = (want.float() * scale.index_select(0, disp.sorted_pair.long()).float()[:, None]).to(x.dtype)

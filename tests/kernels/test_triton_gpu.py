@@ -371,8 +371,7 @@ def test_training_forward_keeps_the_routing(variant):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from mok_compile.kernels import moe
-    from mok_compile.kernels.dispatch import Dispatch, count_chunks
-    from mok_compile.kernels.routing import routing_block
+    from mok_compile.kernels.dispatch import Dispatch
     from mok_compile.ops.spec import with_defaults
 
     tensors, kw = make_case(variant, T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
@@ -387,9 +386,8 @@ def test_training_forward_keeps_the_routing(variant):
         assert logits.shape == (0, 8)
     else:
         assert torch.equal(logits, moe._logits(*tensors[:3], kwd))
-    block_t, block_e = routing_block(8)
     kept = Dispatch.from_layout(layout, 8, 2, 333 * 2)
-    built = Dispatch(ids, count_chunks(ids, 8, block_t, block_e), 8, block_t)
+    built = Dispatch.from_ids(ids, 8)
     for name in ("expert_count", "expert_start", "expert_end", "sorted_pair", "pair_pos"):  # not the padding
         assert torch.equal(getattr(kept, name), getattr(built, name)), name
 
@@ -398,14 +396,14 @@ def test_training_forward_keeps_the_routing(variant):
 def test_autograd_backward_reads_the_saved_routing(variant, monkeypatch):
     """Autograd's backward takes the training forward's logits and layout: it neither recomputes the logits nor
     counts the routing again (both replaced after the forward by stubs that record a call)."""
-    from mok_compile.kernels import moe
+    from mok_compile.kernels import dispatch, moe
 
     tensors, kw = make_case(variant, T=200, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
     leaves = _leaves(tensors)
     out, w, _ = torch.ops.mok.fused_moe(*leaves, **kw)
     calls = []
     monkeypatch.setattr(moe, "_logits", lambda *a, **k: calls.append("logits"))
-    monkeypatch.setattr(moe, "count_chunks", lambda *a, **k: calls.append("count"))
+    monkeypatch.setattr(dispatch, "count_chunks", lambda *a, **k: calls.append("count"))
     (out.float().square().mean() + w.float().sum()).backward()
     assert calls == [] and leaves[0].grad is not None
 
