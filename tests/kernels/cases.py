@@ -166,6 +166,23 @@ def rounded_before_bias(dtype):
         reference._project = fp32_order
 
 
+@contextlib.contextmanager
+def rounded_activation_gradient(dtype):
+    """The reference with the activation's gradient dh (and its input da) rounded to `dtype`: every engine stores dh
+    in the inputs' dtype between the backward's GEMMs (the CUTLASS engine g2 = da too). With weight on the expert input
+    the router gradient takes <dh @ W1, x>, so this rounding, not the projections', can decide how far it moves."""
+    fp32_backward = reference.activation_backward
+
+    def backward(h, da, **kw):
+        return fp32_backward(h, da.to(dtype).to(da.dtype), **kw).to(dtype).to(da.dtype)
+
+    reference.activation_backward = backward
+    try:
+        yield
+    finally:
+        reference.activation_backward = fp32_backward
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

@@ -1,10 +1,11 @@
-"""The GPU tests' input helpers, on the CPU: `cases.rounded_before_bias` and `_well_conditioned_case`'s redraw."""
+"""The GPU tests' input helpers, on the CPU: `cases.rounded_before_bias`, `cases.rounded_activation_gradient` and
+`_well_conditioned_case`'s redraw."""
 
 import torch
 
 from mok_compile.ops import reference
 from tests.kernels import cases, test_triton_gpu
-from tests.kernels.cases import make_case, rel_err, rounded_before_bias
+from tests.kernels.cases import make_case, rel_err, rounded_activation_gradient, rounded_before_bias
 
 
 def _fp32_backward(tensors, kw):
@@ -27,6 +28,36 @@ def test_rounded_before_bias_rounds_16_bit_projections_only_inside():
     with rounded_before_bias(torch.float32):
         rounded32 = _fp32_backward(tensors32, kw32)
     assert all(a is None or torch.equal(a, b) for a, b in zip(rounded32, _fp32_backward(tensors32, kw32)))
+
+
+def test_rounded_activation_gradient_rounds_dh_only_inside():
+    fp32_backward = reference.activation_backward
+    tensors, kw = make_case("llama4", T=40, H=64, I=24, E=4, K=1, dtype=torch.bfloat16)
+    plain = _fp32_backward(tensors, kw)
+    with rounded_activation_gradient(torch.bfloat16):
+        rounded = _fp32_backward(tensors, kw)
+    assert reference.activation_backward is fp32_backward
+    assert 0 < rel_err(rounded[3], plain[3]) < 2e-2  # dW1 = dh^T x: dh's bf16 rounding, nothing more
+    assert torch.equal(rounded[5], plain[5])  # dW2 does not read dh
+    tensors32, kw32 = make_case("llama4", T=40, H=64, I=24, E=4, K=1, dtype=torch.float32)
+    with rounded_activation_gradient(torch.float32):
+        rounded32 = _fp32_backward(tensors32, kw32)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(rounded32, _fp32_backward(tensors32, kw32)))
+
+
+def test_router_move_counts_the_activation_gradients_rounding(monkeypatch):
+    """A Llama4 draw at one token where rounding the projections moves the router gradient little and rounding dh
+    moves it past the GPU tolerance (CPU seed offset 29 * 7919; on the GPU MOK_TEST_SEED=2513223907 drew one, and
+    every engine missed by 5.2e-2): `_router_rounding_move` sees the larger move, so the redraw skips it."""
+    monkeypatch.setattr(test_triton_gpu, "DEV", "cpu")
+    monkeypatch.setattr(cases, "SEED_OFFSET", 29 * 7919)
+    tensors, kw = make_case("llama4", T=1, H=136, I=40, E=16, K=1, dtype=torch.bfloat16, seed=1)
+    _, w, ids = reference.fused_moe_reference(*tensors, **kw)
+    go, gw = test_triton_gpu._grad_outputs(tensors, w)
+    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    projections_only = test_triton_gpu._rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads)["drouter"]
+    assert projections_only < test_triton_gpu.GRAD_TOL[torch.bfloat16] / 4
+    assert test_triton_gpu._router_rounding_move(tensors, kw) > test_triton_gpu.GRAD_TOL[torch.bfloat16]
 
 
 def test_well_conditioned_case_redraws_only_ill_conditioned_draws(monkeypatch):
