@@ -1,6 +1,7 @@
 """The GPU tests' input helpers, on the CPU: `cases.rounded_before_bias`, `cases.rounded_activation_gradient` and
 `_well_conditioned_case`'s redraw."""
 
+import pytest
 import torch
 
 from mok_compile.ops import reference
@@ -16,33 +17,30 @@ def _fp32_backward(tensors, kw):
     return reference.fused_moe_backward_reference(go, None, *tensors, w, ids, **kw)
 
 
-def test_rounded_before_bias_rounds_16_bit_projections_only_inside():
-    fp32_order = reference._project
-    tensors, kw = make_case("relu", T=40, H=64, I=24, E=4, K=2, dtype=torch.bfloat16)
+def _fp32_and_rounded_backward(rounding, variant, K, dtype):
+    """The reference backward of a fixed case, and the same inside `rounding(dtype)`."""
+    tensors, kw = make_case(variant, T=40, H=64, I=24, E=4, K=K, dtype=dtype)
     plain = _fp32_backward(tensors, kw)
-    with rounded_before_bias(torch.bfloat16):
-        rounded = _fp32_backward(tensors, kw)
-    assert reference._project is fp32_order
-    assert 0 < rel_err(rounded[0], plain[0]) < 2e-2  # dx: bf16 rounding of the projections, nothing more
-    tensors32, kw32 = make_case("relu", T=40, H=64, I=24, E=4, K=2, dtype=torch.float32)
-    with rounded_before_bias(torch.float32):
-        rounded32 = _fp32_backward(tensors32, kw32)
-    assert all(a is None or torch.equal(a, b) for a, b in zip(rounded32, _fp32_backward(tensors32, kw32)))
+    with rounding(dtype):
+        return plain, _fp32_backward(tensors, kw)
 
 
-def test_rounded_activation_gradient_rounds_dh_only_inside():
-    fp32_backward = reference.activation_backward
-    tensors, kw = make_case("llama4", T=40, H=64, I=24, E=4, K=1, dtype=torch.bfloat16)
-    plain = _fp32_backward(tensors, kw)
-    with rounded_activation_gradient(torch.bfloat16):
-        rounded = _fp32_backward(tensors, kw)
-    assert reference.activation_backward is fp32_backward
-    assert 0 < rel_err(rounded[3], plain[3]) < 2e-2  # dW1 = dh^T x: dh's bf16 rounding, nothing more
-    assert torch.equal(rounded[5], plain[5])  # dW2 does not read dh
-    tensors32, kw32 = make_case("llama4", T=40, H=64, I=24, E=4, K=1, dtype=torch.float32)
-    with rounded_activation_gradient(torch.float32):
-        rounded32 = _fp32_backward(tensors32, kw32)
-    assert all(a is None or torch.equal(a, b) for a, b in zip(rounded32, _fp32_backward(tensors32, kw32)))
+# (context, the reference's function it replaces, variant, top-k, the gradient it moves, one it must leave alone)
+ROUNDINGS = [(rounded_before_bias, "_project", "relu", 2, "dx", None),
+             (rounded_activation_gradient, "activation_backward", "llama4", 1, "dw1", "dw2")]  # dW2 reads no dh
+
+
+@pytest.mark.parametrize("rounding,replaced,variant,K,moved,kept", ROUNDINGS)
+def test_roundings_round_16_bit_values_only_inside(rounding, replaced, variant, K, moved, kept):
+    fp32_version = getattr(reference, replaced)
+    plain, rounded = _fp32_and_rounded_backward(rounding, variant, K, torch.bfloat16)
+    assert getattr(reference, replaced) is fp32_version
+    i = test_triton_gpu.GRAD_NAMES.index
+    assert 0 < rel_err(rounded[i(moved)], plain[i(moved)]) < 2e-2  # bf16 rounding, nothing more
+    if kept is not None:
+        assert torch.equal(rounded[i(kept)], plain[i(kept)])
+    plain32, rounded32 = _fp32_and_rounded_backward(rounding, variant, K, torch.float32)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(rounded32, plain32))
 
 
 def test_router_move_counts_the_activation_gradients_rounding(monkeypatch):
