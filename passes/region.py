@@ -256,15 +256,33 @@ def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
     routed = flow.forward_slice([logits], within=nodes)
     expert_side = nodes - routed
     # A value computed from activations without the router (a shared expert, a dense expert of a mask loop)
-    # may join the routed path only through a product with routing weights.
+    # may join the routed path only through a product with routing weights. Views and casts pass, unless what
+    # they view is such a value (AFMoE's shared expert output, `.view(B, S, H)` before the sum).
     for n in routed:
+        if op_name(n) == "mul":
+            continue
         for a in n.all_input_nodes:
-            if (a in expert_side and a is not root and op_name(a) not in LAYOUT_OPS | _FACTORIES
-                    and not _is_weight_prep(a, root, nodes)):
-                if op_name(n) != "mul":
-                    raise NoMatch(f"{a.name}, computed without the router, joins the routed output through "
-                                  f"{op_name(n)!r} ({n.name}); a shared expert stays outside the fused op")
+            if a not in expert_side or a is root or op_name(a) in _FACTORIES or _is_weight_prep(a, root, nodes):
+                continue
+            if op_name(a) in LAYOUT_OPS and not _computes_on_activations(a, root, nodes):
+                continue
+            raise NoMatch(f"{a.name}, computed without the router, joins the routed output through "
+                          f"{op_name(n)!r} ({n.name}); a shared expert stays outside the fused op")
     return routed
+
+
+def _computes_on_activations(n: fx.Node, root: fx.Node, nodes) -> bool:
+    """Whether `n` comes from a matmul of activations (an expert's output), not from the tokens moved or re-typed."""
+    seen, work = set(), [n]
+    while work:
+        m = work.pop()
+        if m in seen or m is root or m not in nodes:
+            continue
+        seen.add(m)
+        if op_name(m) in MATMUL_OPS and not _is_weight_prep(m, root, nodes):
+            return True
+        work.extend(m.all_input_nodes)
+    return False
 
 
 def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:

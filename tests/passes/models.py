@@ -145,6 +145,40 @@ class SharedExpertMoE(nn.Module):
         return self.routed(x) + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
 
 
+class ViewedSharedExpertMoE(nn.Module):
+    """AFMoE's order (transformers' `AfmoeSparseMoeBlock`): [B, S, H] in, the router first, then an ungated shared
+    expert on the flattened tokens, both outputs viewed back to [B, S, H] and summed. The shared output reaches the
+    sum through a view, which must not carry the shared expert into the routed region."""
+
+    def __init__(self, hidden=32, inter=16):
+        super().__init__()
+        self.routed = StackedGatherMoE(hidden, inter)
+        self.shared = SwiGLUExpert(hidden, inter)
+
+    def forward(self, x):
+        B, S, H = x.shape
+        flat = x.view(-1, H)
+        w, ids = self.routed.route(flat)
+        shared = self.shared(flat).view(B, S, H)
+        y = self.routed.experts(flat.repeat_interleave(self.routed.top_k, dim=0), ids)
+        routed = (y.view(-1, self.routed.top_k, H) * w.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+        return shared + routed.view(B, S, H)
+
+
+class SharedInEverySlotMoE(ViewedSharedExpertMoE):
+    """Near miss: the shared expert's output, viewed to [T, 1, H], is added to each slot's expert output before the
+    routing weights (out = sum_k w_k (y_k + s)): not an MoE the op computes, so it must be left untouched."""
+
+    def forward(self, x):
+        B, S, H = x.shape
+        flat = x.view(-1, H)
+        w, ids = self.routed.route(flat)
+        shared = self.shared(flat).view(-1, 1, H)
+        y = self.routed.experts(flat.repeat_interleave(self.routed.top_k, dim=0), ids)
+        y = y.view(-1, self.routed.top_k, H) + shared
+        return (y * w.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(B, S, H)
+
+
 class DenseMLP(nn.Module):
     def __init__(self, hidden=32, inter=64):
         super().__init__()

@@ -85,6 +85,16 @@ def test_shared_expert_stays_outside():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+def test_viewed_shared_expert_stays_outside():
+    """The shared expert's output joins the routed one through a view and a sum (AFMoE): fused without it."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.ViewedSharedExpertMoE(), torch.randn(2, 5, 32))
+    assert len(report.fused) == 1 and not report.rejected, str(report)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "shared" in n.name]
+    assert len(names) == 3 and all(n.users for n in gm.graph.nodes if n.name in names)  # still used outside the op
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
 def test_validate_false_gives_the_same_rewrite():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.StackedGatherMoE(), torch.randn(10, 32), validate=False)
@@ -133,6 +143,13 @@ def test_squared_routing_weight_not_fused():
     gm, example, report, eager = _fuse(models.SquaredWeightsMoE(), torch.randn(10, 32))
     _assert_untouched(gm, example, report, eager, candidates=1)
     assert "routing weights go through 'mul'" in report.rejected[0].reason
+
+
+def test_viewed_shared_expert_inside_the_slots_not_fused():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.SharedInEverySlotMoE(), torch.randn(2, 5, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "a shared expert stays outside" in report.rejected[0].reason
 
 
 def test_strict_raises_naming_block_and_reason():

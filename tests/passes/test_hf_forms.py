@@ -140,6 +140,29 @@ def test_deepseek_v3_model_keeps_shared_experts_outside():
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_afmoe_block_fused_with_its_shared_experts_outside(dtype):
+    """AfmoeSparseMoeBlock routes first, then runs its shared experts, and adds their output to the routed one after a
+    `.view(B, S, H)` of each: the routed part is one op (sigmoid scores, selection bias, renormalised and scaled),
+    the shared experts stay in the graph."""
+    import transformers as tf
+    from transformers.models.afmoe.modeling_afmoe import AfmoeSparseMoeBlock
+
+    config = tf.AfmoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                            num_shared_experts=1, route_scale=2.5)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(AfmoeSparseMoeBlock(config)).to(dtype).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    routing = report.blocks[0].routing
+    assert (routing.routing, routing.renormalize, routing.routed_scale) == ("sigmoid_grouped_topk", True, 2.5)
+    shared = [n for n in gm.graph.nodes if "shared_experts" in n.name and n.op == "placeholder"]
+    assert len(shared) == 3 and all(n.users for n in shared)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
 LLAMA4_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=0, rtol=0)}
 
 
