@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 from mok_compile.hf_blocks import make_block
 from mok_compile.passes import fuse_moe
 
-from .helpers import capture, run
+from .helpers import capture
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
