@@ -285,6 +285,30 @@ def _computes_on_activations(n: fx.Node, root: fx.Node, nodes) -> bool:
     return False
 
 
+# Ops that may transform a combined output but never combine one: a candidate that ends in one (past views and
+# casts), e.g. ``moe(x).pow(2)``, lies past the block, and a candidate before it is the block's output.
+_AFTER_THE_COMBINE = frozenset({"pow", "square", "clamp", "clamp_min", "neg", "relu", "silu", "gelu", "gelu_tanh",
+                                "sigmoid", "softmax", "div", "sub"})
+
+
+def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], stop, topk: fx.Node):
+    """Raise NoMatch if `out` is not where the block ends: it applies an op after the experts' sum, or a value the
+    experts computed, other than `out`, is read outside the region; an earlier candidate is then the output. (In an
+    fp32 post-norm model the norm's no-op ``out.to(float32)`` and its ``.pow(2)`` pass every other test.) Routing
+    values (the logits, weights and ids) may be read outside; shape queries of expert values too."""
+    last = op_name(strip(out, LAYOUT_OPS))
+    if last in _AFTER_THE_COMBINE:
+        raise NoMatch(f"the candidate output {out.name} applies {last!r} after the experts' sum")
+    routing_side = flow.backward_slice([topk], stop)
+    expert_weights = [n for n in inputs if n not in routing_side]
+    for n in flow.sorted(flow.forward_slice(expert_weights, within=nodes)):
+        if n is out or not isinstance(meta_value(n), torch.Tensor):  # sizes may be shared with later code
+            continue
+        if any(u not in nodes and (u.op == "output" or isinstance(meta_value(u), torch.Tensor))
+               for u in flow.readers(n)):
+            raise NoMatch(f"expert intermediate {n.name} is used outside the block")
+
+
 def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:
     """A node computed from weights/sizes only (e.g. a transpose or stack of expert weights)."""
     seen, work = set(), [n]
@@ -349,6 +373,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
             continue
         try:
             routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
+            _check_closed(flow, out, nodes, inputs, stop, topk)
         except NoMatch as err:
             reasons.append(str(err))
             continue

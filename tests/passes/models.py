@@ -179,6 +179,32 @@ class SharedInEverySlotMoE(ViewedSharedExpertMoE):
         return (y * w.unsqueeze(-1).to(y.dtype)).sum(dim=1).view(B, S, H)
 
 
+class SquaredOutputMoE(nn.Module):
+    """The block's output squared after it: the square is not part of the block (it stays in the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = StackedGatherMoE()
+
+    def forward(self, x):
+        return self.moe(x).pow(2)
+
+
+class PostNormMoE(nn.Module):
+    """A post-norm layer (FlexOlmo's): HF's RMSNorm right after the block. In fp32 its ``.to(float32)`` is a no-op
+    and its ``.pow(2)`` has the block output's shape and dtype, yet the block ends before them."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.moe = StackedGatherMoE(hidden)
+        self.norm_weight = nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        h = self.moe(x).to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x + self.norm_weight * h.to(x.dtype)
+
+
 class DenseMLP(nn.Module):
     def __init__(self, hidden=32, inter=64):
         super().__init__()

@@ -163,6 +163,25 @@ def test_afmoe_block_fused_with_its_shared_experts_outside(dtype):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flex_olmo_post_norm_model_fused(dtype):
+    """FlexOlmo normalises each block's output (post-norm). In fp32 the RMSNorm's ``.to(float32)`` is a no-op and its
+    ``.pow(2)`` has the output's shape and dtype: the block still ends at the experts' sum, both layers fuse."""
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model("flex_olmo", hidden_size=64, intermediate_size=32, num_experts=8,
+                                     num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                     num_hidden_layers=2, vocab_size=128, pad_token_id=0)
+    config._experts_implementation = "grouped_mm"
+    model = init_moe_weights_(tf.AutoModelForCausalLM.from_config(config)).to(dtype).eval()
+    ids = torch.randint(0, 128, (2, 7))
+    (graph,), eager = capture(model, ids, use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert len(report.fused) == 2 and not report.rejected, str(report)
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[dtype])
+
+
 LLAMA4_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=0, rtol=0)}
 
 
