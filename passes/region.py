@@ -19,7 +19,9 @@ block's output is the latest node after the anchor that (1) has the shape of
 intermediate expert value leaks out of it, nothing in it writes to its inputs,
 and a computation that does not depend on the router (a shared expert) joins
 the routed path only as a weight product ``w * y`` (a dense expert loop),
-never as a sum (a shared expert added to the routed output stays outside).
+never as a sum (a shared expert added to the routed output stays outside,
+viewed or not), (4) ends at the experts' sum: no op that never combines
+(``pow``, an activation, ...) is applied after it.
 """
 
 from __future__ import annotations
