@@ -266,25 +266,17 @@ def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
         for a in n.all_input_nodes:
             if a not in expert_side or a is root or op_name(a) in _FACTORIES or _is_weight_prep(a, root, nodes):
                 continue
-            if op_name(a) in LAYOUT_OPS and not _computes_on_activations(a, root, nodes):
+            if op_name(a) in LAYOUT_OPS and not _computes_on_activations(flow, a, root, nodes):
                 continue
             raise NoMatch(f"{a.name}, computed without the router, joins the routed output through "
                           f"{op_name(n)!r} ({n.name}); a shared expert stays outside the fused op")
     return routed
 
 
-def _computes_on_activations(n: fx.Node, root: fx.Node, nodes) -> bool:
+def _computes_on_activations(flow: Dataflow, n: fx.Node, root: fx.Node, nodes) -> bool:
     """Whether `n` comes from a matmul of activations (an expert's output), not from the tokens moved or re-typed."""
-    seen, work = set(), [n]
-    while work:
-        m = work.pop()
-        if m in seen or m is root or m not in nodes:
-            continue
-        seen.add(m)
-        if op_name(m) in MATMUL_OPS and not _is_weight_prep(m, root, nodes):
-            return True
-        work.extend(m.all_input_nodes)
-    return False
+    behind = flow.backward_slice([n], lambda m: m is root or m not in nodes) & nodes
+    return any(op_name(m) in MATMUL_OPS and not _is_weight_prep(m, root, nodes) for m in behind)
 
 
 # Ops that may transform a combined output but never combine one: a candidate that ends in one (past views and
@@ -293,15 +285,15 @@ _AFTER_THE_COMBINE = frozenset({"pow", "square", "clamp", "clamp_min", "neg", "r
                                 "sigmoid", "softmax", "div", "sub"})
 
 
-def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], stop, topk: fx.Node):
+def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], routing_side: set):
     """Raise NoMatch if `out` is not where the block ends: it applies an op after the experts' sum, or a value the
     experts computed, other than `out`, is read outside the region; an earlier candidate is then the output. (In an
     fp32 post-norm model the norm's no-op ``out.to(float32)`` and its ``.pow(2)`` pass every other test.) Routing
-    values (the logits, weights and ids) may be read outside; shape queries of expert values too."""
+    values (the logits, weights and ids: `routing_side`, what the top-k reads) may be read outside; shape queries of
+    expert values too."""
     last = op_name(strip(out, LAYOUT_OPS))
     if last in _AFTER_THE_COMBINE:
         raise NoMatch(f"the candidate output {out.name} applies {last!r} after the experts' sum")
-    routing_side = flow.backward_slice([topk], stop)
     expert_weights = [n for n in inputs if n not in routing_side]
     for n in flow.sorted(flow.forward_slice(expert_weights, within=nodes)):
         if n is out or not isinstance(meta_value(n), torch.Tensor):  # sizes may be shared with later code
@@ -366,8 +358,9 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
     later_blocks = flow.forward_slice([t for t, _ in anchors if t is not topk and t in clean])
     reasons = []
     candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
+    stop = lambda n: _is_source(n) or n is root  # noqa: E731
+    routing_side = flow.backward_slice([topk], stop)
     for out in candidates[:64]:
-        stop = lambda n: _is_source(n) or n is root  # noqa: E731
         sliced = _close_over_writes(flow, flow.backward_slice([out], stop), out, stop, clean)
         inputs = {n for n in sliced if _is_source(n)} - {root}
         nodes = sliced - inputs - {root}
@@ -375,7 +368,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
             continue
         try:
             routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
-            _check_closed(flow, out, nodes, inputs, stop, topk)
+            _check_closed(flow, out, nodes, inputs, routing_side)
         except NoMatch as err:
             reasons.append(str(err))
             continue

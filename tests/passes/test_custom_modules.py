@@ -90,8 +90,8 @@ def test_viewed_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.ViewedSharedExpertMoE(), torch.randn(2, 5, 32))
     assert len(report.fused) == 1 and not report.rejected, str(report)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "shared" in n.name]
-    assert len(names) == 3 and all(n.users for n in gm.graph.nodes if n.name in names)  # still used outside the op
+    shared = [n for n in gm.graph.nodes if n.op == "placeholder" and "shared" in n.name]
+    assert len(shared) == 3 and all(n.users for n in shared)  # still used outside the op
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
