@@ -1,7 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
-    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss,llama4] [--tokens 256,4096]
-        [--mode reduce-overhead]
+    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss,ernie,llama4]
+        [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
   hf        transformers' block, experts_implementation="grouped_mm" (its default), eager
@@ -46,6 +46,9 @@ SHAPES = {
     "deepseek_v3": ("deepseek_v3", BlockSizes(hidden=7168, intermediate=2048, experts=256, top_k=8),
                     dict(n_group=8, topk_group=4), (256, 4096)),
     "gpt_oss": ("gpt_oss", BlockSizes(hidden=2880, intermediate=2880, experts=32, top_k=4), {}, (256, 4096)),
+    # ERNIE-4.5-21B-A3B: a selection bias on the softmax probabilities, w / clamp(sum, 1e-12); its two shared experts
+    # (one of twice the size here) run outside the op, as in HF.
+    "ernie": ("ernie4_5_moe", BlockSizes(hidden=2560, intermediate=1536, experts=64, top_k=6), {}, (256, 4096)),
     # Llama4-Scout: weight on the expert input, top-1, a shared expert (outside the op, as in HF). HF's
     # own experts run densely (every token through every expert, unselected ones with weight 0).
     "llama4": ("llama4", BlockSizes(hidden=5120, intermediate=8192, experts=16, top_k=1), {}, (256, 4096)),
@@ -96,12 +99,15 @@ def build_block(family, sizes, overrides):
     finally:
         torch.set_default_dtype(old)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    # A selection bias of the scale of what it is added to: sigmoid scores (DeepSeek-V3), or probabilities of about
+    # 1/E each (Ernie 4.5; a bias of 0.1 there would send every token to the same few experts).
+    bias_std = 0.1 / sizes.experts if family == "ernie4_5_moe" else 0.1
     with torch.no_grad():
         for name, p in list(block.named_parameters()) + list(block.named_buffers()):
             if p.is_floating_point():
-                std = 0.1 if name.endswith("e_score_correction_bias") else 0.02
+                std = bias_std if name.endswith("e_score_correction_bias") else 0.02
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * std)
-    if family == "deepseek_v3":  # HF keeps this router in fp32 in a bf16 model
+    if family in hf_blocks.FP32_ROUTER_FAMILIES:
         block.gate.float()
     return block.eval()
 

@@ -70,6 +70,7 @@ struct MoeOptions {
   double alpha;
   double limit;
   bool weight_on_input;
+  double renorm_min;
 };
 
 Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
@@ -102,36 +103,48 @@ Tensor grouped_choice(const Tensor& choice, int64_t n_group, int64_t topk_group)
   return choice.masked_fill(score_mask.to(at::kBool).logical_not(), -INFINITY);
 }
 
+// clamp(sum(w), min=renorm_min) + renorm_eps, each step only where set (reference._renorm_denominator).
+Tensor renorm_denominator(const Tensor& w, const MoeOptions& o) {
+  Tensor denom = sum_last(w);
+  if (o.renorm_min != 0.0) denom = denom.clamp_min(o.renorm_min);
+  if (o.renorm_eps != 0.0) denom = denom + o.renorm_eps;
+  return denom;
+}
+
 // (topk_weights, topk_ids) with HF's precision behaviour (reference.route).
 std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selection_bias, at::ScalarType x_dtype,
                                  const MoeOptions& o) {
-  Tensor w, ids;
+  // The values the top-k ranks are `scores` plus the selection bias, which only chooses: the weights start
+  // from the unbiased scores at the chosen experts.
+  Tensor scores;
   if (o.routing == "softmax_topk") {
-    Tensor probs = at::softmax(logits, -1, o.softmax_fp32 ? acc_dtype(logits.scalar_type()) : logits.scalar_type());
-    std::tie(w, ids) = at::topk(probs, o.top_k, -1);
+    scores = at::softmax(logits, -1, o.softmax_fp32 ? acc_dtype(logits.scalar_type()) : logits.scalar_type());
   } else if (o.routing == "topk_softmax") {
-    Tensor scores = o.softmax_fp32 ? upcast(logits) : logits;
-    Tensor top;
-    std::tie(top, ids) = at::topk(scores, o.top_k, -1);
-    w = at::softmax(top, -1, top.scalar_type());
+    scores = o.softmax_fp32 ? upcast(logits) : logits;
   } else if (o.routing == "sigmoid_grouped_topk") {
-    Tensor scores = upcast(logits).sigmoid();
-    Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
-    if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group);
-    ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
-    w = scores.gather(1, ids);
+    scores = upcast(logits).sigmoid();
   } else if (o.routing == "topk_sigmoid") {
-    Tensor top;
-    std::tie(top, ids) = at::topk(logits, o.top_k, -1);
-    w = (o.softmax_fp32 ? upcast(top) : top).sigmoid();
+    scores = logits;
   } else {
     TORCH_CHECK(false, "mok_cpu.fused_moe: unknown routing '", o.routing, "'");
   }
-  if (o.renormalize) {
-    Tensor denom = sum_last(w);
-    if (o.renorm_eps != 0.0) denom = denom + o.renorm_eps;
-    w = w / denom;
+  Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
+  Tensor top, ids;
+  if (o.routing == "sigmoid_grouped_topk") {
+    if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group);
+    ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
+    top = scores.gather(1, ids);
+  } else {
+    std::tie(top, ids) = at::topk(choice, o.top_k, -1);
+    if (selection_bias.has_value()) top = scores.gather(1, ids);
   }
+  Tensor w = top;
+  if (o.routing == "topk_softmax") {
+    w = at::softmax(top, -1, top.scalar_type());
+  } else if (o.routing == "topk_sigmoid") {
+    w = (o.softmax_fp32 ? upcast(top) : top).sigmoid();
+  }
+  if (o.renormalize) w = w / renorm_denominator(w, o);
   if (o.routed_scale != 1.0) w = w * o.routed_scale;
   w = w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype);
   return {w, ids};
@@ -153,10 +166,10 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
     w0 = base.gather(1, ids);
   }
   Tensor d = grad_w * o.routed_scale;
-  if (o.renormalize) {
-    Tensor denom = sum_last(w0) + o.renorm_eps;
+  if (o.renormalize) {  // the sum's gradient stops where the clamp holds it at renorm_min
+    Tensor denom = renorm_denominator(w0, o);
     Tensor w1 = w0 / denom;
-    d = (d - sum_last(d * w1)) / denom;
+    d = (d - sum_last(w0).ge(o.renorm_min) * sum_last(d * w1)) / denom;
   }
   if (o.routing == "softmax_topk") {
     Tensor dp = at::zeros_like(l).scatter_(1, ids, d);
@@ -486,13 +499,14 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       const Tensor &down_proj, const OptTensor &down_bias, int64_t top_k, c10::string_view routing,              \
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
-      bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input
+      bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
+      double renorm_min
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit, weight_on_input};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
@@ -508,7 +522,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
                                        gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
                                        router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
                                        topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, /*save_h=*/false);
+                                       limit, weight_on_input, renorm_min, /*save_h=*/false);
   return {out, w, ids};
 }
 
@@ -516,7 +530,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS)
   return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
                       renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, /*save_h=*/true);
+                      transposed, alpha, limit, weight_on_input, renorm_min, /*save_h=*/true);
 }
 
 // ----------------------------------------------------------------------------- backward
@@ -532,10 +546,11 @@ BackwardResult fused_moe_backward(
     const Tensor& topk_ids, int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32,
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
-    bool transposed, double alpha, double limit, bool weight_on_input, const OptTensor& gate_up_out) {
+    bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min,
+    const OptTensor& gate_up_out) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit, weight_on_input};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
@@ -678,7 +693,8 @@ BackwardResult fused_moe_backward(
 #define MOK_CPU_SCALARS                                                                                          \
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
-  "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input"
+  "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
+  "float renorm_min"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"

@@ -24,13 +24,15 @@ class BlockSizes:
     top_k: int = 2
 
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "granitemoe", "ernie4_5_moe")
 # Families whose block the op covers with weight_on_input=True (the routing weight scales the expert's input:
 # Llama4's dense MoE, where every expert runs on every token and unrouted ones get a zero input). Kept apart
 # from FAMILIES, whose tests exercise transformers' experts_implementation forms (grouped_mm, batched_mm):
 # Llama4's experts are plain bmm's; its own pass and backend tests cover it.
 WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
 ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES
+# Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
+FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe")
 
 
 def _require_transformers():
@@ -71,6 +73,10 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                               **common)
     elif family == "granitemoe":
         cfg = tf.GraniteMoeConfig(intermediate_size=I, num_local_experts=E, **common)
+    elif family == "ernie4_5_moe":
+        # Every layer MoE, one shared expert (outside the op); moe_k / moe_num_experts are what the aliases set.
+        cfg = tf.Ernie4_5_MoeConfig(intermediate_size=2 * I, moe_intermediate_size=I, moe_num_experts=E,
+                                    moe_num_shared_experts=1, moe_layer_start_index=0, **common)
     elif family == "llama4":
         # Text-only (Llama4ForCausalLM), every layer MoE (gated shared expert of size I, outside the op);
         # dense layers (none here) would use intermediate_size_mlp.
@@ -97,6 +103,7 @@ def _block_class(family: str):
         "gpt_oss": "GptOssMLP",
         "granitemoe": "GraniteMoeMoE",
         "llama4": "Llama4TextMoe",
+        "ernie4_5_moe": "Ernie4_5_MoeSparseMoeBlock",
     }
     return getattr(mod, names[family])
 
@@ -121,7 +128,7 @@ def make_block(family: str, sizes: BlockSizes = BlockSizes(), dtype=torch.float3
     block = _block_class(family)(cfg)
     init_moe_weights_(block, seed=seed)
     block = block.to(device=device, dtype=dtype).eval()
-    if family == "deepseek_v3":  # HF keeps this router in fp32 in a bf16 model
+    if family in FP32_ROUTER_FAMILIES:
         block.gate.float()
     return block
 
@@ -154,7 +161,18 @@ def routed_parts(family: str, block):
     if family == "granitemoe":
         spec = RoutingSpec(top_k=K, routing="topk_softmax", softmax_fp32=True, weights_fp32=False)
         return block.router, block.experts, spec, ExpertSpec()
+    if family == "ernie4_5_moe":
+        # Ernie4_5_MoeTopKRouter: fp32 softmax, a selection bias on the probabilities, w / clamp(sum, min), cast.
+        spec = RoutingSpec(top_k=K, router_fp32=True, renormalize=True, renorm_min=float(block.gate.norm_min),
+                           weights_fp32=False)
+        return block.gate, block.experts, spec, ExpertSpec()
     raise ValueError(f"unknown family {family!r}")
+
+
+def _selection_bias(router):
+    """The router's selection bias as [E] (Ernie 4.5 keeps it [1, E] in `moe_statics`), or None."""
+    bias = getattr(getattr(router, "moe_statics", router), "e_score_correction_bias", None)
+    return None if bias is None else bias.reshape(-1)
 
 
 def op_arguments(family: str, block):
@@ -163,7 +181,7 @@ def op_arguments(family: str, block):
     tensors = (
         router.weight,
         getattr(router, "bias", None),
-        getattr(router, "e_score_correction_bias", None),
+        _selection_bias(router),
         experts.gate_up_proj,
         getattr(experts, "gate_up_proj_bias", None),
         experts.down_proj,

@@ -284,7 +284,7 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
 
 def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> ExpertsMatch:
     """Experts of the region: stacked 3-D weights, or per-expert weights of a module loop."""
-    known = {router.weight, router.bias, router.selection_bias}
+    known = router.input_nodes()
     tensors = [n for n in region.inputs if n not in known and tensor_meta(n) is not None]
     weights3d = [n for n in tensors if tensor_meta(n).dim() == 3]
     if weights3d:

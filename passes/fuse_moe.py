@@ -27,7 +27,7 @@ from .experts import ExpertsMatch, Stack, match_experts, region_form
 from .op_names import tensor_meta
 from .region import NoMatch, Region, find_region, selection_topks
 from .rewrite import emit, plan_rewrite
-from .routing import RouterMatch, match_router
+from .routing import Flat, RouterMatch, match_router
 from .validate import concrete, probe
 
 log = logging.getLogger("mok_compile.passes")
@@ -129,6 +129,8 @@ def _roles(router: RouterMatch, experts: ExpertsMatch) -> dict:
                           ("down", experts.down), ("down_bias", experts.down_bias)):
         if isinstance(operand, Stack):
             roles.update({n: role for g in operand.groups for n in g})
+        elif isinstance(operand, Flat):
+            roles[operand.source] = role
         elif operand is not None:
             roles[operand] = role
     return roles

@@ -122,7 +122,8 @@ def emit(gm: fx.GraphModule, flow: Dataflow, region: Region, plan: Plan, operand
 
     with graph.inserting_before(region.out):
         tensors = [materialize(o, lambda n: n, stack=lambda xs, d: call(torch.stack, (xs, d)),
-                               cat=lambda xs, d: call(torch.cat, (xs, d))) for o in operands]
+                               cat=lambda xs, d: call(torch.cat, (xs, d)),
+                               flat=lambda n: call(torch.reshape, (n, (-1,)))) for o in operands]
         op = graph.call_function(torch.ops.mok.fused_moe.default, tuple(tensors), kwargs)
         created.append(op)
         outputs = [call(operator.getitem, (op, i)) for i in range(3)]

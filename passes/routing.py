@@ -1,20 +1,25 @@
 """Read the routing semantics (a `RoutingSpec`) off the router part of a matched region.
 
-    A  logits ─(float)─ softmax ─> topk ─> w0 ─[/ (sum(w0) + eps)]─[* scale]─[cast]─> w
+    A  logits ─(float)─ softmax ─> p ─> topk ─> w0 ─[renormalise]─[* scale]─[cast]─> w
+       with a selection bias (Ernie 4.5): p + sel_bias ─> topk ─> ids;  w0 = p.gather(1, ids)
     B  logits ─(float)─ topk ─> w0 ─ softmax ─[cast]─> w
     C  logits(fp32) ─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
-       scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) ─[/ (sum + eps)]─[* scale]─> w
-
-    D  logits ─ topk ─> top, ids;  full_like(logits, -inf).scatter(1, ids, top) ─(float)─ sigmoid ─[cast]─> s [T, E]
-       (Llama4: dense weight-on-input; `s` scales a repeated input of every expert, see
+       scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) ─[renormalise]─[* scale]─> w
+    D  logits ─ topk ─> top ─ sigmoid ─[renormalise]─[* scale]─[cast]─> w
+       with a selection bias (Kolibri1): logits + sel_bias ─> topk ─> ids;  top = logits.gather(1, ids)
+    D  dense: logits ─ topk ─> top, ids;  full_like(logits, -inf).scatter(1, ids, top) ─(float)─ sigmoid ─[cast]─> s
+       [T, E] (Llama4: weight on the input; `s` scales a repeated input of every expert, see
        `experts.check_input_weight_application`; unchosen experts get sigmoid(-inf) = 0)
 
-Anything else on these chains (a clamp-min renormalisation, a bias used for
-the weights, a softmax in another dimension) is reported, not guessed.
+    renormalise: w0 / ([clamp(] sum(w0, -1, keepdim) [, min=m)] [+ eps])
+
+Anything else on these chains (a bias used for the weights, a softmax in
+another dimension, a clamp with a maximum) is reported, not guessed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,17 +27,29 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import RoutingSpec
 
-from .op_names import CAST_OPS, arg, op_name, tensor_meta
+from .op_names import CAST_OPS, VIEW_OPS, arg, op_name, tensor_meta
 from .region import NoMatch, Region, getitem_users, strip, topk_k
+
+
+@dataclass(frozen=True)
+class Flat:
+    """An operand the graph holds in another shape with the same elements in order: the op gets
+    ``source.reshape(-1)`` (Ernie 4.5 keeps its selection bias as a [1, E] parameter and adds ``bias.squeeze()``)."""
+    source: fx.Node
 
 
 @dataclass
 class RouterMatch:
     spec: RoutingSpec
-    weight: fx.Node                 # router weight [E, H]
-    bias: fx.Node | None            # router bias [E]
-    selection_bias: fx.Node | None  # C: bias used only to choose experts
-    weights: fx.Node                # final routing weights [T, K] as the experts use them ([T, E] for D)
+    weight: fx.Node                        # router weight [E, H]
+    bias: fx.Node | None                   # router bias [E]
+    selection_bias: fx.Node | Flat | None  # bias used only to choose experts
+    weights: fx.Node                       # final routing weights [T, K] as the experts use them ([T, E] for D)
+
+    def input_nodes(self) -> set[fx.Node]:
+        """The graph inputs the router reads (weight, biases)."""
+        sel = self.selection_bias.source if isinstance(self.selection_bias, Flat) else self.selection_bias
+        return {n for n in (self.weight, self.bias, sel) if n is not None}
 
 
 def _is_last_dim(dim, ndim: int) -> bool:
@@ -93,7 +110,7 @@ def match_router(region: Region) -> RouterMatch:
     if not _is_last_dim(arg(region.topk, 2, "dim", -1), t_dim) or arg(region.topk, 3, "largest", True) is not True:
         raise NoMatch("top-k is not over the experts dimension (largest values)")
 
-    routing, softmax_fp32, selection_bias, sigmoid = None, True, None, None
+    routing, softmax_fp32, selection_bias, scores = None, True, None, region.logits
     masked = None
     for n in _pre_topk_chain(region):
         name = op_name(n)
@@ -101,24 +118,21 @@ def match_router(region: Region) -> RouterMatch:
             if routing is not None or not _is_last_dim(_softmax_dim(n), 2):
                 raise NoMatch("router applies softmax in an unsupported way")
             routing, softmax_fp32 = "softmax_topk", tensor_meta(n).dtype in (torch.float32, torch.float64)
+            scores = n
         elif name == "sigmoid":
             if routing is not None:
                 raise NoMatch("router combines sigmoid with another score function")
             if tensor_meta(n).dtype not in (torch.float32, torch.float64):
                 raise NoMatch("sigmoid routing scores are not computed in fp32")
-            routing, sigmoid = "sigmoid_grouped_topk", n
+            routing, scores = "sigmoid_grouped_topk", n
         elif name == "add":
-            other = n.args[1]
-            other = strip(other, CAST_OPS) if isinstance(other, fx.Node) else other
-            if selection_bias is not None or not isinstance(other, fx.Node) or other not in region.inputs:
-                raise NoMatch("router adds something other than a selection bias before the top-k")
-            selection_bias = other
+            if selection_bias is not None:
+                raise NoMatch("router adds two things before the top-k")
+            selection_bias = _selection_bias(region, n.args[1])
         elif name == "masked_fill":
             masked = n
         elif name not in CAST_OPS:
             raise NoMatch(f"router op {name!r} is not supported")
-    if selection_bias is not None and routing != "sigmoid_grouped_topk":
-        raise NoMatch("a selection bias is only supported with sigmoid routing (DeepSeek-V3 style)")
     n_group, topk_group = 1, 1
     if masked is not None:
         if routing != "sigmoid_grouped_topk":
@@ -135,35 +149,23 @@ def match_router(region: Region) -> RouterMatch:
                                weights_fp32=weights_fp32, weight_on_input=True)
             return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
 
-    # The unnormalised top-k weights.
-    if routing == "sigmoid_grouped_topk":
-        gathers = [u for u in region.ids.users if op_name(u) == "gather" and u in region.nodes]
-        if len(gathers) != 1 or strip(gathers[0].args[0], CAST_OPS) is not sigmoid:
-            raise NoMatch("routing weights are not the unbiased sigmoid scores gathered at the chosen experts")
-        w = gathers[0]
+    # The unnormalised top-k weights: where a selection bias chose, the unbiased scores gathered at the choice.
+    if routing == "sigmoid_grouped_topk" or selection_bias is not None:
+        w = _gathered_scores(region, scores, routing)
     else:
         values = getitem_users(region.topk, 0)
         if len(values) != 1:
             raise NoMatch("top-k values are not used as routing weights")
         w = values[0]
 
-    # Walk the weight chain: [softmax (B)] -> [renormalise] -> [scale] -> [cast], in this order.
-    stage, renormalize, eps, scale = 0, False, 0.0, 1.0
+    # Walk the weight chain: [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [cast], in this order.
+    stage, renormalize, eps, renorm_min, scale = 0, False, 0.0, 0.0, 1.0
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
         if sums and len(users) == 2 and stage <= 1:
-            s = sums[0]
-            if not _is_last_dim(arg(s, 1, "dim"), 2) or not arg(s, 2, "keepdim", False):
-                raise NoMatch("routing weights are normalised over an unexpected dimension")
-            denom = s
-            nxt = _single_user(s, region)
-            if nxt is not None and op_name(nxt) == "add" and _float_const(nxt.args[1]) is not None:
-                eps, denom = _float_const(nxt.args[1]), nxt
-            div = _single_user(denom, region)
-            if div is None or op_name(div) != "div" or div.args[0] is not w or div.args[1] is not denom:
-                raise NoMatch("routing weights are renormalised in an unsupported way (only w / (sum + eps))")
-            w, renormalize, stage = div, True, 2
+            w, eps, renorm_min = _renormalised(region, w, sums[0])
+            renormalize, stage = True, 2
             continue
         u = _single_user(w, region)
         if u is None:
@@ -173,6 +175,8 @@ def match_router(region: Region) -> RouterMatch:
             if not _is_last_dim(_softmax_dim(u), 2):
                 raise NoMatch("softmax over the top-k weights is not over the last dimension")
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
+        elif name == "sigmoid" and stage == 0 and routing is None:
+            routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "mul" and u.args[0] is w and _float_const(u.args[1]) is not None and stage <= 2:
             scale, stage = scale * _float_const(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
@@ -184,9 +188,63 @@ def match_router(region: Region) -> RouterMatch:
         raise NoMatch("found no softmax or sigmoid in the router")
     weights_fp32 = tensor_meta(w).dtype == torch.float32
     spec = RoutingSpec(top_k=K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
-                       renormalize=renormalize, renorm_eps=eps, routed_scale=scale, n_group=n_group,
-                       topk_group=topk_group, weights_fp32=weights_fp32)
+                       renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
+                       n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
+
+
+def _selection_bias(region: Region, added) -> fx.Node | Flat:
+    """The selection bias added before the top-k: a graph input of E values, through casts (as the op adds it in
+    fp32) and views that keep their order (a [1, E] parameter squeezed)."""
+    n = strip(added, CAST_OPS) if isinstance(added, fx.Node) else added
+    if isinstance(n, fx.Node) and n in region.inputs:
+        return n
+    source = strip(n, CAST_OPS | VIEW_OPS) if isinstance(n, fx.Node) else None
+    meta, smeta = tensor_meta(n), tensor_meta(source)
+    E = region.E
+    if (source in region.inputs and meta is not None and smeta is not None and smeta.numel() == E
+            and tuple(meta.shape) in ((E,), (1, E))):
+        return Flat(source)
+    raise NoMatch("router adds something other than a selection bias (a graph input of one value per expert) before "
+                  "the top-k")
+
+
+def _gathered_scores(region: Region, scores: fx.Node, routing: str | None) -> fx.Node:
+    """The one ``scores.gather(-1, ids)`` in the region: the unbiased scores of the chosen experts (the sigmoid
+    scores through casts for C; exactly the probabilities (A) or the logits (B, D) otherwise, since a cast between
+    would round what the op takes unrounded)."""
+    gathers = [u for u in region.ids.users if op_name(u) == "gather" and u in region.nodes]
+    source = None
+    if len(gathers) == 1:
+        g = gathers[0]
+        source = strip(g.args[0], CAST_OPS) if routing == "sigmoid_grouped_topk" else g.args[0]
+        if arg(g, 1, "dim") not in (1, -1) or arg(g, 2, "index") is not region.ids:
+            source = None
+    if source is not scores:
+        what = {"sigmoid_grouped_topk": "sigmoid scores", "softmax_topk": "softmax probabilities"}
+        what = what.get(routing, "logits")
+        raise NoMatch(f"routing weights are not the unbiased {what} gathered at the chosen experts")
+    return gathers[0]
+
+
+def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, float, float]:
+    """(w / denominator node, eps, min) for ``w / ([clamp(]sum(w)[, min=m)] [+ eps])``, `total` the sum node."""
+    if not _is_last_dim(arg(total, 1, "dim"), 2) or not arg(total, 2, "keepdim", False):
+        raise NoMatch("routing weights are normalised over an unexpected dimension")
+    denom, eps, renorm_min = total, 0.0, 0.0
+    nxt = _single_user(denom, region)
+    if nxt is not None and op_name(nxt) in ("clamp", "clamp_min") and nxt.args[0] is denom:
+        low = _float_const(arg(nxt, 1, "min"))
+        if op_name(nxt) == "clamp" and arg(nxt, 2, "max") is not None or low is None or not 0.0 <= low < math.inf:
+            raise NoMatch("routing weights are renormalised by a clamped sum other than clamp(sum, min=m), m >= 0")
+        renorm_min, denom = low, nxt
+        nxt = _single_user(denom, region)
+    if nxt is not None and op_name(nxt) == "add" and _float_const(nxt.args[1]) is not None:
+        eps, denom = _float_const(nxt.args[1]), nxt
+    div = _single_user(denom, region)
+    if div is None or op_name(div) != "div" or div.args[0] is not w or div.args[1] is not denom:
+        raise NoMatch("routing weights are renormalised in an unsupported way (only w / (clamp(sum, min) + eps))")
+    return div, eps, renorm_min
 
 
 def _dense_sigmoid_scores(region: Region) -> tuple[fx.Node, bool] | None:

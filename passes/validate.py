@@ -88,15 +88,19 @@ def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict) -> dict:
     return env
 
 
-def materialize(operand, value_of, stack=torch.stack, cat=torch.cat):
-    """Value (or graph node) of an op operand: a node, None, or a `Stack` recipe of per-expert tensors."""
+def materialize(operand, value_of, stack=torch.stack, cat=torch.cat, flat=lambda t: t.reshape(-1)):
+    """Value (or graph node) of an op operand: a node, None, a `Stack` recipe of per-expert tensors or a `Flat`
+    view of one."""
     from .experts import Stack
+    from .routing import Flat
 
     if operand is None:
         return None
     if isinstance(operand, Stack):
         parts = [stack([value_of(n) for n in group], 0) for group in operand.groups]
         return parts[0] if len(parts) == 1 else cat(parts, 1)
+    if isinstance(operand, Flat):
+        return flat(value_of(operand.source))
     return value_of(operand)
 
 

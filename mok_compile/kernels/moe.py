@@ -280,7 +280,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         logits, selection_bias, top_k=K, routing=kw["routing"],
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
-        weights_dtype=weights_dtype, dispatch=disp)
+        weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"])
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
@@ -489,7 +489,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     dl = route_backward(logits, topk_ids, disp.pair_pos, dw_parts,
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"],
-                        out_dtype=dl_dtype)
+                        out_dtype=dl_dtype, renorm_min=kw["renorm_min"])
     if kw["router_is_logits"]:
         d_router, d_router_bias, dx_router = dl.to(router.dtype), None, None
     else:

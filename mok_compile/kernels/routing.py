@@ -38,6 +38,12 @@ def routing_warps(block_t: int, block_e: int) -> int:
 
 
 @triton.jit
+def _renorm_denominator(total, renorm_min, renorm_eps):
+    """clamp(total, min=renorm_min) + renorm_eps (a NaN total stays NaN, as with torch.clamp)."""
+    return tl.where(total < renorm_min, renorm_min, total) + renorm_eps
+
+
+@triton.jit
 def _take(mat, cols, idx):
     """mat[t, idx[t]] for a [BT, BE] tile."""
     return tl.sum(tl.where(cols[None, :] == idx[:, None], mat, 0.0), axis=1)
@@ -68,10 +74,13 @@ def _route_fwd_kernel(
     HAS_SEL_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
     RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
-    DISPATCH: tl.constexpr = False,
+    DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
-    chunk, from the same picks, so a few-token call skips those two launches."""
+    chunk, from the same picks, so a few-token call skips those two launches.
+
+    HAS_SEL_BIAS: the selection bias is added to what the top-k ranks (`choice`), never to `value`;
+    SEL_LOW: that sum is rounded to the logits' dtype, as PyTorch rounds a 16-bit score plus a 16-bit bias."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -100,12 +109,14 @@ def _route_fwd_kernel(
         if SOFTMAX_LOW:  # sigmoid in the logits' dtype
             value = value.to(LDT).to(tl.float32)
         choice = tl.where(cmask[None, :], logit, ninf)
-    else:  # sigmoid scores; the selection bias only chooses
+    else:  # sigmoid scores
         value = 1.0 / (1.0 + tl.exp(-logit))
-        choice = value
-        if HAS_SEL_BIAS:
-            choice = choice + tl.load(sel_bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        choice = tl.where(cmask[None, :], choice, ninf)
+        choice = tl.where(cmask[None, :], value, ninf)
+    if HAS_SEL_BIAS:  # chooses only
+        choice = choice + tl.load(sel_bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if SEL_LOW:
+            choice = choice.to(LDT).to(tl.float32)
+    if ROUTING == 2:
         if N_GROUP > 1:  # keep the TOPK_GROUP groups whose top-2 sum is largest
             gid = cols // group_size
             gcols = tl.arange(0, G_PAD)
@@ -142,7 +153,8 @@ def _route_fwd_kernel(
         if SOFTMAX_LOW:
             top_v = top_v.to(LDT).to(tl.float32)
     if RENORM:
-        top_v = top_v / (tl.sum(tl.where(kmask[None, :], top_v, 0.0), axis=1)[:, None] + renorm_eps)
+        top_v = top_v / _renorm_denominator(tl.sum(tl.where(kmask[None, :], top_v, 0.0), axis=1), renorm_min,
+                                            renorm_eps)[:, None]
     top_v = top_v * routed_scale
 
     omask = rmask[:, None] & kmask[None, :]
@@ -164,8 +176,17 @@ def _route_fwd_kernel(
         tl.store(counts_ptr + pid * BLOCK_E + cols, counts)
 
 
+def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
+    """Whether PyTorch rounds the biased selection scores to 16 bits: the ranked values (the probabilities
+    where softmax_topk has softmax_fp32=False, the logits for topk_softmax without softmax_fp32 and for
+    topk_sigmoid) and the bias are both in the logits' 16-bit dtype."""
+    if selection_bias is None or logits.dtype == torch.float32 or selection_bias.dtype != logits.dtype:
+        return False
+    return routing == "topk_sigmoid" or (routing in ("softmax_topk", "topk_softmax") and not softmax_fp32)
+
+
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-          topk_group, weights_dtype, dispatch=None):
+          topk_group, weights_dtype, dispatch=None, renorm_min=0.0):
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
@@ -187,9 +208,10 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
             T, E, logits.stride(0), E // n_group if grouped else E, float(renorm_eps), float(routed_scale),
             K=top_k, K_PAD=next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
             SOFTMAX_LOW=(not softmax_fp32) and logits.dtype != torch.float32,
-            HAS_SEL_BIAS=selection_bias is not None and routing == "sigmoid_grouped_topk",
+            HAS_SEL_BIAS=selection_bias is not None, SEL_LOW=_selection_rounds(logits, selection_bias, routing,
+                                                                               softmax_fp32),
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-            G_PAD=next_power_of_2(max(n_group, 2)), RENORM=renormalize,
+            G_PAD=next_power_of_2(max(n_group, 2)), RENORM=renormalize, renorm_min=float(renorm_min),
             BLOCK_T=block_t, BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
             **({} if not fused else dict(
                 expert_count_ptr=dispatch.expert_count, expert_start_ptr=dispatch.expert_start,
@@ -206,7 +228,7 @@ def _route_bwd_kernel(
     logits_ptr, ids_ptr, pair_pos_ptr, dw_part_ptr, dw_extra_ptr, dlogits_ptr,
     T, E, stride_lt, n_parts, TK, renorm_eps, routed_scale,
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
 ):
     """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
 
@@ -254,10 +276,11 @@ def _route_bwd_kernel(
         w0 = ek / tl.sum(ek, axis=1)[:, None]
     w0 = tl.where(omask, w0, 0.0)
     d = tl.where(omask, d * routed_scale, 0.0)
-    if RENORM:
-        denom = tl.sum(w0, axis=1)[:, None] + renorm_eps
+    if RENORM:  # the sum's gradient stops where the clamp holds it at renorm_min
+        total = tl.sum(w0, axis=1)
+        denom = _renorm_denominator(total, renorm_min, renorm_eps)[:, None]
         w1 = w0 / denom
-        d = (d - tl.sum(d * w1, axis=1)[:, None]) / denom
+        d = (d - tl.where(total >= renorm_min, tl.sum(d * w1, axis=1), 0.0)[:, None]) / denom
     if ROUTING == 1:
         d = w0 * (d - tl.sum(w0 * d, axis=1)[:, None])
 
@@ -278,7 +301,7 @@ def _route_bwd_kernel(
 
 
 def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
-                   routed_scale, out_dtype=torch.float32):
+                   routed_scale, out_dtype=torch.float32, renorm_min=0.0):
     """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
     position."""
@@ -292,6 +315,6 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
             logits, topk_ids, pair_pos, dw_parts, dw_extra if dw_extra is not None else dw_parts, dl,
             T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
             K=K, K_PAD=next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
-            HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e,
+            HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e, renorm_min=float(renorm_min),
         )
     return dl

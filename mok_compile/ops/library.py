@@ -34,7 +34,8 @@ _SCALARS = (
     "int top_k, str routing='softmax_topk', bool router_is_logits=False, bool router_fp32=False, "
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
-    "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False"
+    "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
+    "float renorm_min=0.0"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -168,10 +169,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
             _fail(f"selection_bias must have shape [{E}], got {tuple(selection_bias.shape)}")
         if selection_bias.dtype not in _FLOAT_DTYPES:
             _fail(f"selection_bias has unsupported dtype {selection_bias.dtype}")
-        # Other families add a selection bias differently (Ernie 4.5: to softmax probabilities, with a
-        # clamp-min renormalisation); refusing beats silently ignoring it.
-        if routing != "sigmoid_grouped_topk":
-            _fail(f"selection_bias is only supported with routing='sigmoid_grouped_topk', got routing={routing!r}")
+    if not 0.0 <= kw["renorm_min"] < float("inf"):
+        _fail(f"renorm_min must be a finite number >= 0, got {kw['renorm_min']}")
     if n_group != 1 and routing != "sigmoid_grouped_topk":
         _fail(f"n_group={n_group} (group-limited routing) is only supported with routing='sigmoid_grouped_topk'")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),

@@ -48,12 +48,19 @@ def router_logits(x, router, router_bias, *, router_is_logits, router_fp32):
 _logits_of = router_logits  # for the backward, whose `router_logits` argument (a kernel's saved logits) hides the name
 
 
-def _renorm_and_scale(w, *, renormalize, renorm_eps, routed_scale):
+def _renorm_denominator(w, *, renorm_eps, renorm_min):
+    """clamp(sum(w), min=renorm_min) + renorm_eps, with each step only where set (as HF writes it)."""
+    denom = w.sum(dim=-1, keepdim=True)
+    if renorm_min:
+        denom = denom.clamp(min=renorm_min)
+    if renorm_eps:
+        denom = denom + renorm_eps
+    return denom
+
+
+def _renorm_and_scale(w, *, renormalize, renorm_eps, renorm_min, routed_scale):
     if renormalize:
-        denom = w.sum(dim=-1, keepdim=True)
-        if renorm_eps:
-            denom = denom + renorm_eps
-        w = w / denom
+        w = w / _renorm_denominator(w, renorm_eps=renorm_eps, renorm_min=renorm_min)
     if routed_scale != 1.0:
         w = w * routed_scale
     return w
@@ -79,39 +86,41 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
     equal values either pick is right, as torch.topk promises no order) and the one the routing
     weights are taken from."""
     if routing == "softmax_topk":
-        probs = F.softmax(logits, dim=-1, dtype=_acc_dtype(logits.dtype) if softmax_fp32 else logits.dtype)
-        return probs, probs
-    if routing == "topk_softmax":
+        scores = F.softmax(logits, dim=-1, dtype=_acc_dtype(logits.dtype) if softmax_fp32 else logits.dtype)
+    elif routing == "topk_softmax":
         scores = _upcast(logits) if softmax_fp32 else logits
-        return scores, scores
-    if routing == "sigmoid_grouped_topk":
+    elif routing == "sigmoid_grouped_topk":
         scores = _upcast(logits).sigmoid()
-        choice = scores if selection_bias is None else scores + selection_bias
-        if n_group > 1:
-            choice = _grouped_choice(choice, n_group, topk_group)
-        return choice, scores
-    if routing == "topk_sigmoid":
-        return logits, logits
-    raise ValueError(f"unknown routing {routing!r}")
+    elif routing == "topk_sigmoid":
+        scores = logits
+    else:
+        raise ValueError(f"unknown routing {routing!r}")
+    choice = scores if selection_bias is None else scores + selection_bias
+    if n_group > 1:
+        choice = _grouped_choice(choice, n_group, topk_group)
+    return choice, scores
 
 
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
-          renorm_eps, routed_scale, n_group, topk_group, weights_fp32):
+          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group)
     if routing == "sigmoid_grouped_topk":
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
-        w = scores.gather(1, ids)
+        top = scores.gather(1, ids)
     else:
         top, ids = torch.topk(choice, top_k, dim=-1)
-        if routing == "topk_softmax":
-            w = F.softmax(top, dim=-1, dtype=top.dtype)
-        elif routing == "topk_sigmoid":
-            w = (_upcast(top) if softmax_fp32 else top).sigmoid()
-        else:
-            w = top
-    w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale)
+        if selection_bias is not None:  # the bias only chose: the weights start from the unbiased values
+            top = scores.gather(1, ids)
+    if routing == "topk_softmax":
+        w = F.softmax(top, dim=-1, dtype=top.dtype)
+    elif routing == "topk_sigmoid":
+        w = (_upcast(top) if softmax_fp32 else top).sigmoid()
+    else:
+        w = top
+    w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, renorm_min=renorm_min,
+                          routed_scale=routed_scale)
     w = w.to(routing_weights_dtype(x_dtype, weights_fp32))
     return w, ids
 
@@ -203,13 +212,14 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False):
+                        weight_on_input=False, renorm_min=0.0):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=top_k, routing=routing,
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
-                   routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32)
+                   routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32,
+                   renorm_min=renorm_min)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input)
@@ -262,7 +272,8 @@ def _gelu_tanh_grad(x):
     return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
 
 
-def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renormalize, renorm_eps, routed_scale):
+def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renormalize, renorm_eps, routed_scale,
+                     renorm_min=0.0):
     """d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights), all in the accumulation dtype."""
     acc = grad_w.dtype
     l = logits.to(acc)
@@ -278,9 +289,11 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
         w0 = base.gather(1, topk_ids)
     d = grad_w * routed_scale
     if renormalize:
-        denom = w0.sum(dim=-1, keepdim=True) + renorm_eps
+        # The sum's gradient stops where the clamp holds it at renorm_min (torch.clamp passes it at equality).
+        denom = _renorm_denominator(w0, renorm_eps=renorm_eps, renorm_min=renorm_min)
         w1 = w0 / denom
-        d = (d - (d * w1).sum(dim=-1, keepdim=True)) / denom
+        through = w0.sum(dim=-1, keepdim=True) >= renorm_min
+        d = (d - through * (d * w1).sum(dim=-1, keepdim=True)) / denom
     if routing == "softmax_topk":
         dp = torch.zeros_like(l).scatter_(1, topk_ids, d)
         return base * (dp - (base * dp).sum(dim=-1, keepdim=True))
@@ -299,7 +312,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 gate_up_out=None, router_logits=None, routing_layout=None):
+                                 renorm_min=0.0, gate_up_out=None, router_logits=None, routing_layout=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 
@@ -378,7 +391,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         d_wts = d_wts + grad_topk_weights.to(acc)
     logits = _logits_of(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     d_logits = routing_backward(logits, topk_weights, topk_ids, d_wts, routing=routing, renormalize=renormalize,
-                                renorm_eps=renorm_eps, routed_scale=routed_scale)
+                                renorm_eps=renorm_eps, routed_scale=routed_scale, renorm_min=renorm_min)
     if router_is_logits:
         d_router, d_router_bias = d_logits.to(router.dtype), None
     else:

@@ -8,7 +8,8 @@ arguments, so the op's schema is spelled in one place (`library.py`).
 Routing families (see shared/moe-semantics.md):
 
 - ``softmax_topk`` (A): ``softmax(logits)`` -> ``topk`` -> optional renormalise
-  -> scale. Mixtral, Qwen2/3-MoE, OLMoE, Jamba, ...
+  -> scale. Mixtral, Qwen2/3-MoE, OLMoE, Jamba, ...; Ernie 4.5 adds a selection
+  bias to the probabilities and renormalises by ``clamp(sum, min)``.
 - ``topk_softmax`` (B): ``topk(logits)`` -> ``softmax`` over the k. Granite-MoE,
   GPT-OSS, JetMoE, ...
 - ``sigmoid_grouped_topk`` (C): ``sigmoid(logits)`` + selection bias (used only
@@ -17,7 +18,13 @@ Routing families (see shared/moe-semantics.md):
   scale. DeepSeek-V3, GLM4-MoE, Kimi, ...
 - ``topk_sigmoid`` (D): ``topk(logits)`` -> ``sigmoid`` of the k chosen logits
   (fp32 when ``softmax_fp32``) -> optional renormalise -> scale. Llama4, whose
-  dense weight-on-input MoE also sets ``weight_on_input``.
+  dense weight-on-input MoE also sets ``weight_on_input``; Kolibri1 (with a
+  selection bias on the logits).
+
+A selection bias (the op's ``selection_bias`` argument) is added to the values
+the top-k ranks (A: the probabilities, B and D: the logits, C: the sigmoid
+scores) and only chooses: the weights are the unbiased values at the chosen
+experts.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class RoutingSpec:
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
+    renorm_min: the renormalisation's denominator is at least this, i.e.
+        ``w / (clamp(sum(w), min=renorm_min) + renorm_eps)`` (Ernie 4.5: 1e-12).
     weight_on_input: the routing weight scales the expert's *input* instead of
         its output (Llama4): expert k of token t runs on
         ``(x[t] * w[t,k]).to(x.dtype)`` and the k outputs are summed unweighted.
@@ -66,6 +75,7 @@ class RoutingSpec:
     topk_group: int = 1
     weights_fp32: bool = True
     weight_on_input: bool = False
+    renorm_min: float = 0.0
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -76,6 +86,8 @@ class RoutingSpec:
             raise ValueError(
                 f"need 1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}"
             )
+        if not 0.0 <= self.renorm_min < float("inf"):
+            raise ValueError(f"renorm_min must be a finite number >= 0, got {self.renorm_min}")
 
 
 @dataclass(frozen=True)

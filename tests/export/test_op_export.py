@@ -156,6 +156,7 @@ def _library_file():
     ("deepseek_v3", "gather"),  # sigmoid + selection bias + group-limited top-k, fp32 router
     ("gpt_oss", "dense"),  # transposed + interleaved weights, biases, clamped SwiGLU, top-k -> softmax
     ("qwen2_moe", "gather"),  # weights cast to the input dtype
+    ("ernie4_5_moe", "gather"),  # softmax + selection bias, w / clamp(sum, min)
     ("llama4", "gather"),  # top-k -> sigmoid, weight on the expert's input, unweighted sum, transposed weights
     ("llama4", "dense"),
 ])
@@ -186,7 +187,7 @@ def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
 def test_abstract_interp_library_follows_the_schema():
     """The shape/dtype functions take every argument of the registered schema, the trailing ones included."""
     schema = torch.ops.mok.fused_moe.default._schema
-    assert schema.arguments[-1].name == "weight_on_input"
+    assert schema.arguments[-1].name == "renorm_min"
     text = abstract_interp_library()
     for fn in ("shape_fn", "dtype_fn"):
         sig = re.search(rf'__torch_mlir_{fn}\.torch\.mok\.fused_moe"\((.*?)\) ->', text).group(1)

@@ -45,6 +45,12 @@ VARIANTS = {
     # topk_sigmoid with the usual weighted combine (weight_on_input off), sigmoid in the logits' dtype.
     "topk_sigmoid_out": (dict(routing="topk_sigmoid", softmax_fp32=False, renormalize=True), ExpertSpec(), False,
                          False, False),
+    # Ernie 4.5: fp32 router, a selection bias on the probabilities, w / clamp(sum, min). Its min is 1e-12; 0.3 here
+    # holds the sum at the clamp for some tokens (top-2 of 8 probabilities), so both sides of it are checked.
+    "ernie": (dict(router_fp32=True, renormalize=True, renorm_min=0.3, weights_fp32=False), ExpertSpec(), False, False,
+              True),
+    # Kolibri1: fp32 router, a selection bias on the logits, sigmoid of the unbiased chosen logits, renormalised.
+    "kolibri": (dict(routing="topk_sigmoid", router_fp32=True, renormalize=True), ExpertSpec(), False, False, True),
 }
 
 # CPU-interpreter checks (variant, T, H, I, E, K, dtype): small odd sizes, T not a multiple of any block.

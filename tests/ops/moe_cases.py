@@ -60,6 +60,13 @@ ROUTING_CASES = [
     Case("topk_softmax_router_bias_bf16", _r(routing="topk_softmax", softmax_fp32=False, weights_fp32=False),
          router_bias=True, dtype=torch.bfloat16),
     Case("topk_softmax_logits", _r(routing="topk_softmax", router_is_logits=True)),
+    # Ernie 4.5: a selection bias on the probabilities; renormalised by clamp(sum, min). A large renorm_min holds
+    # the sum at the clamp for some tokens (the sum of 2 of 4 experts' probabilities is often below 0.7), so both
+    # sides of the clamp are checked, forward and backward.
+    Case("softmax_topk_selection_bias_clamp_min", _r(renormalize=True, renorm_min=0.7), selection_bias=True),
+    Case("softmax_topk_ernie_bf16", _r(router_fp32=True, renormalize=True, renorm_min=1e-12, weights_fp32=False),
+         selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
+    Case("topk_softmax_selection_bias", _r(routing="topk_softmax", renormalize=True), selection_bias=True),
     Case("sigmoid", _r(routing="sigmoid_grouped_topk")),
     Case("sigmoid_renorm_no_eps_wdtype", _r(routing="sigmoid_grouped_topk", renormalize=True, weights_fp32=False)),
     Case("sigmoid_deepseek_v3",
@@ -76,6 +83,11 @@ ROUTING_CASES = [
                                                 weights_fp32=False)),
     Case("topk_sigmoid_bf16_sigmoid_logits", _r(routing="topk_sigmoid", router_is_logits=True, softmax_fp32=False,
                                                 weights_fp32=False), dtype=torch.bfloat16),
+    # Kolibri1: a selection bias on the logits, sigmoid of the unbiased chosen logits, renormalised.
+    Case("topk_sigmoid_selection_bias", _r(routing="topk_sigmoid", router_fp32=True, renormalize=True),
+         selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
+    Case("topk_sigmoid_selection_bias_clamp_min", _r(routing="topk_sigmoid", renormalize=True, renorm_min=1.3),
+         selection_bias=True),
 ]
 
 # weight_on_input: the routing weight scales each expert's input, the k outputs are summed unweighted.
@@ -140,7 +152,10 @@ def make_args(case: Case, T: int = 6, H: int = 12, I: int = 4, *, dtype: torch.d
     x = rand(T, H)
     router = rand(T, E, scale=1.5, dt=r_dtype) if case.routing.router_is_logits else rand(E, H, scale=0.5, dt=r_dtype)
     router_bias = rand(E, scale=0.5, dt=r_dtype) if case.router_bias else None
-    selection_bias = rand(E, scale=0.1, dt=torch.float32 if dtype is None else dtype) if case.selection_bias else None
+    # Comparable with the spread of what the top-k ranks (scores in (0, 1), or logits), so that it changes choices.
+    bias_scale = 1.0 if case.routing.routing in ("topk_softmax", "topk_sigmoid") else 0.1
+    selection_bias = (rand(E, scale=bias_scale, dt=torch.float32 if dtype is None else dtype) if case.selection_bias
+                      else None)
     if case.experts.transposed:
         gate_up, down = rand(E, H, up, scale=H**-0.5), rand(E, I, H, scale=I**-0.5)
     else:
@@ -220,17 +235,19 @@ def dense_oracle(args, kwargs):
             logits = router[t]
         else:
             logits = router @ x[t] + (0 if router_bias is None else router_bias)
+        # A selection bias is added to the values the top-k ranks and only chooses.
+        bias = 0 if selection_bias is None else selection_bias
         if kw["routing"] == "softmax_topk":
             p = torch.exp(logits - logits.max())
             p = p / p.sum()
-            chosen = _largest(p, K)
+            chosen = _largest(p + bias, K)
             w = p[chosen]
         elif kw["routing"] == "topk_softmax":
-            chosen = _largest(logits, K)
+            chosen = _largest(logits + bias, K)
             z = torch.exp(logits[chosen] - logits[chosen].max())
             w = z / z.sum()
         elif kw["routing"] == "topk_sigmoid":
-            chosen = _largest(logits, K)
+            chosen = _largest(logits + bias, K)
             w = _sigmoid(logits[chosen])
         else:
             s = _sigmoid(logits)
@@ -245,7 +262,7 @@ def dense_oracle(args, kwargs):
             chosen = _largest(c, K, allowed)
             w = s[chosen]
         if kw["renormalize"]:
-            w = w / (w.sum() + kw["renorm_eps"])
+            w = w / (torch.clamp(w.sum(), min=kw["renorm_min"]) + kw["renorm_eps"])
         w = w * kw["routed_scale"]
         y = torch.zeros_like(x[t])
         for k, e in enumerate(chosen):

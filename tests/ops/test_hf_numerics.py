@@ -44,7 +44,7 @@ def _block(family, dtype=torch.float32, impl="grouped_mm"):
         with torch.no_grad():
             block.experts.gate_up_proj.mul_(5.0)
     block = block.to(dtype)
-    if family == "deepseek_v3":  # HF keeps this router (and its selection bias) in fp32
+    if family in hf_blocks.FP32_ROUTER_FAMILIES:
         block.gate.float()
     return block
 
@@ -75,7 +75,7 @@ def _with_op(family, block, x, router_is_logits=False):
     out, weights, _ = _op_call(family, block, x2, router_is_logits)
     if family == "qwen2_moe":
         out = out + F.sigmoid(block.shared_expert_gate(x2)) * block.shared_expert(x2)
-    elif family == "deepseek_v3":
+    elif family in ("deepseek_v3", "ernie4_5_moe"):
         out = out + block.shared_experts(x2)
     out = out.view(x.shape)
     return (out, weights) if family == "gpt_oss" else (out,)
@@ -106,10 +106,12 @@ def _inputs(dtype, tokens=T, seed=0):
 
 
 def _grads(outputs, probes, x, block):
-    """Gradients of a fixed random linear loss on every output w.r.t. the input and ALL parameters."""
+    """Gradients of a fixed random linear loss on every output w.r.t. the input and ALL trained parameters (Ernie
+    4.5's selection bias is a parameter without gradient)."""
     loss = sum((o.double() * p.view(o.shape)).sum() for o, p in zip(outputs, probes))
-    names = ["hidden_states"] + [n for n, _ in block.named_parameters()]
-    return dict(zip(names, torch.autograd.grad(loss, [x, *block.parameters()])))
+    params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [x] + [p for _, p in params])
+    return dict(zip(["hidden_states"] + [n for n, _ in params], grads))
 
 
 def _rel(a, b):

@@ -252,9 +252,8 @@ BAD_TENSORS = [
     ("clamped_silu_gpt_oss", "down_bias", lambda t: t.half(), r"down_bias dtype torch.float16 differs"),
     ("sigmoid_deepseek_v3", "selection_bias", lambda t: t[:3], r"selection_bias must have shape \[4\]"),
     ("sigmoid_deepseek_v3", "selection_bias", lambda t: t.to(torch.int64), r"selection_bias has unsupported dtype"),
-    ("softmax_topk", "selection_bias", lambda _: torch.zeros(4), r"selection_bias is only supported with"),
-    ("llama4_weight_on_input", "selection_bias", lambda _: torch.zeros(4),
-     r"selection_bias is only supported with routing='sigmoid_grouped_topk', got routing='topk_sigmoid'"),
+    ("softmax_topk_selection_bias_clamp_min", "selection_bias", lambda t: t[None],
+     r"selection_bias must have shape \[4\], got \(1, 4\)"),
 ]
 
 
@@ -285,6 +284,8 @@ def test_wrong_layout_flag_is_caught(transposed):
     (dict(routing="softmax"), r"routing='softmax' is not supported"),
     (dict(activation="swish"), r"activation='swish' is not supported for gated experts"),
     (dict(activation="relu2"), r"activation='relu2' is not supported for gated experts"),
+    (dict(renormalize=True, renorm_min=-1.0), r"renorm_min must be a finite number >= 0, got -1.0"),
+    (dict(renormalize=True, renorm_min=float("inf")), r"renorm_min must be a finite number >= 0, got inf"),
     (dict(n_group=2), r"n_group=2 \(group-limited routing\) is only supported with routing='sigmoid_grouped_topk'"),
     (dict(routing="topk_sigmoid", n_group=2, topk_group=1),
      r"n_group=2 \(group-limited routing\) is only supported with routing='sigmoid_grouped_topk'"),

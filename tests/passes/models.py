@@ -132,6 +132,63 @@ class SquaredWeightsMoE(StackedGatherMoE):
         return y.sum(dim=1)
 
 
+class BiasedSoftmaxMoE(StackedGatherMoE):
+    """Ernie 4.5's routing: fp32 softmax, a selection bias kept as a [1, E] parameter and added squeezed, the unbiased
+    probabilities of the chosen experts renormalised by clamp(sum, min). `norm_min` is large here, so that the clamp
+    holds some tokens' sums (Ernie's is 1e-12)."""
+
+    def __init__(self, norm_min=0.35, **kw):
+        super().__init__(**kw)
+        self.norm_min = norm_min
+        self.choice_bias = nn.Parameter(torch.randn(1, self.router.shape[0]) * 0.1)
+
+    def route(self, x):
+        probs = F.softmax(F.linear(x.float(), self.router.float()), dim=1, dtype=torch.float)
+        ids = torch.topk(probs + self.choice_bias.squeeze(), self.top_k, dim=-1)[1]
+        w = probs.gather(1, ids)
+        return self.renormalise(w).to(x.dtype), ids.reshape(-1)
+
+    def renormalise(self, w):
+        return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=self.norm_min)
+
+
+class ClampedMaxRenormMoE(BiasedSoftmaxMoE):
+    """Near miss: the renormalisation's sum is clamped from above too (the op clamps it from below only)."""
+
+    def renormalise(self, w):
+        return w / torch.clamp(w.sum(dim=-1, keepdim=True), min=self.norm_min, max=0.6)
+
+
+class BiasedWeightsMoE(BiasedSoftmaxMoE):
+    """Near miss: the routing weights are taken from the biased scores (the bias then does more than choose)."""
+
+    def route(self, x):
+        probs = F.softmax(F.linear(x.float(), self.router.float()), dim=1, dtype=torch.float)
+        choice = probs + self.choice_bias.squeeze()
+        ids = torch.topk(choice, self.top_k, dim=-1)[1]
+        w = choice.gather(1, ids)
+        return self.renormalise(w).to(x.dtype), ids.reshape(-1)
+
+
+class BiasedSigmoidTopKMoE(StackedGatherMoE):
+    """Kolibri1's routing: fp32 logits, experts chosen on logits + bias, sigmoid of the unbiased chosen logits,
+    renormalised."""
+
+    def route(self, x):
+        logits = F.linear(x.float(), self.router.float())
+        ids = torch.topk(logits + self.choice_bias, self.top_k, dim=-1)[1]
+        w = logits.gather(1, ids).sigmoid()
+        return w / w.sum(dim=-1, keepdim=True), ids.reshape(-1)
+
+
+class SigmoidTopKMoE(StackedGatherMoE):
+    """Sparse topk_sigmoid without a bias: the sigmoid of the top-k logits, scaled."""
+
+    def route(self, x):
+        top, ids = torch.topk(F.linear(x, self.router), self.top_k, dim=-1)
+        return top.sigmoid() * self.scale, ids.reshape(-1)
+
+
 class SharedExpertMoE(nn.Module):
     """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
 

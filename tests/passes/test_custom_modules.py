@@ -75,6 +75,41 @@ def test_stacked_gather_bmm_sigmoid_routing():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+@pytest.mark.parametrize("module,want", [
+    (models.BiasedSoftmaxMoE, dict(routing="softmax_topk", renormalize=True, renorm_min=0.35, routed_scale=1.0)),
+    (models.BiasedSigmoidTopKMoE, dict(routing="topk_sigmoid", renormalize=True, renorm_min=0.0, routed_scale=1.0)),
+    (models.SigmoidTopKMoE, dict(routing="topk_sigmoid", renormalize=False, renorm_min=0.0, routed_scale=1.5)),
+], ids=["ernie_style", "kolibri_style", "sigmoid_topk"])
+def test_selection_bias_and_sigmoid_topk_routing(module, want):
+    """A selection bias on softmax probabilities or on logits ([1, E] and squeezed, or [E]), the sigmoid of the top-k
+    logits, and w / clamp(sum, min): each fused, with the routing read off the graph."""
+    torch.manual_seed(0)
+    module = module()
+    gm, example, report, eager = _fuse(module, torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    spec = report.blocks[0].routing
+    assert {k: getattr(spec, k) for k in want} == want
+    assert "topk" not in " ".join(ops_in(gm))
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    if isinstance(module, models.BiasedSoftmaxMoE):  # both sides of the clamp, and a choice the bias changed
+        x = example[[i for i, e in enumerate(example) if e.shape == (24, 32)][0]]
+        probs = torch.softmax(F.linear(x, module.router), dim=-1)
+        chosen = probs.gather(1, torch.topk(probs + module.choice_bias, 2).indices).sum(-1)
+        assert 0 < (chosen < module.norm_min).sum() < 24
+        assert not torch.equal(torch.topk(probs, 2).indices, torch.topk(probs + module.choice_bias, 2).indices)
+
+
+@pytest.mark.parametrize("module,reason", [
+    (models.ClampedMaxRenormMoE, "clamped sum other than clamp(sum, min=m)"),
+    (models.BiasedWeightsMoE, "not the unbiased softmax probabilities gathered at the chosen experts"),
+], ids=["clamp_max", "biased_weights"])
+def test_selection_bias_near_misses(module, reason):
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(module(), torch.randn(24, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert reason in report.rejected[0].reason, report.rejected[0].reason
+
+
 def test_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))

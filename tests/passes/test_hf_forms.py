@@ -163,6 +163,29 @@ def test_afmoe_block_fused_with_its_shared_experts_outside(dtype):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
+@pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renorm", "no_renorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kolibri1_block_fused(dtype, norm_topk_prob):
+    """Kolibri1SparseMoeBlock chooses on fp32 logits plus a selection bias and weighs by the sigmoid of the unbiased
+    chosen logits (topk_sigmoid with a selection bias); its shared experts stay in the graph. (transformers >= 5.24.)"""
+    modeling = pytest.importorskip("transformers.models.kolibri1.modeling_kolibri1")
+    import transformers as tf
+
+    config = tf.Kolibri1Config(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                               shared_expert_intermediate_size=32, norm_topk_prob=norm_topk_prob)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(modeling.Kolibri1SparseMoeBlock(config)).to(dtype).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    routing = report.blocks[0].routing
+    assert (routing.routing, routing.renormalize, routing.router_fp32) == ("topk_sigmoid", norm_topk_prob,
+                                                                            dtype != torch.float32)
+    assert sum(1 for n in gm.graph.nodes if "shared_experts" in n.name and n.op == "placeholder" and n.users) == 3
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_flex_olmo_post_norm_model_fused(dtype):
     """FlexOlmo normalises each block's output (post-norm). In fp32 the RMSNorm's ``.to(float32)`` is a no-op and its

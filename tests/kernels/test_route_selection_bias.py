@@ -1,0 +1,105 @@
+"""The router kernel with a selection bias on every routing (it only chooses: the weights come from the unbiased
+values) and with a clamp-min renormalisation (Ernie 4.5: w / clamp(sum, min)), forward and backward, against
+the reference. Under TRITON_INTERPRET=1 in a subprocess (fp32 and fp16), and on the GPU in bf16."""
+
+import pytest
+
+from tests.kernels.interpreted import run_interpreted
+
+pytest.importorskip("triton")
+
+_CASES = r"""
+import torch
+from tests.kernels.cases import generator
+from mok_compile.kernels import routing
+from mok_compile.kernels.dispatch import Dispatch
+from mok_compile.ops import reference
+
+def compare(device, low):
+    res = []
+    # (T, E, K, routing, logits dtype, renorm_min): each routing family with a bias; 16-bit logits and bias (the
+    # biased scores are rounded as PyTorch rounds them); a clamp that holds some tokens' sums (softmax: the top-4 of
+    # 32 probabilities; sigmoid: 3 of 12) and one that holds none.
+    for T, E, K, kind, dtype, low_min in [(37, 32, 4, "softmax_topk", torch.float32, 0.45),
+                                          (40, 12, 3, "topk_sigmoid", low, 1.9),
+                                          (21, 16, 2, "topk_softmax", low, 0.0),
+                                          (19, 16, 4, "sigmoid_grouped_topk", torch.float32, 1e-12)]:
+        g = generator(T * 13 + E)  # fresh inputs on the GPU (tests/conftest.py)
+        kw = dict(top_k=K, routing=kind, softmax_fp32=True, renormalize=True, renorm_eps=0.0, routed_scale=1.5,
+                  n_group=1, topk_group=1)
+        while True:  # redrawn while a K-th and (K+1)-th biased score tie (bf16 makes that likely): either pick is right
+            logits = (torch.randn(T, E, generator=g) * 2).to(dtype).to(device)
+            bias = torch.randn(E, generator=g) * (0.05 if kind in ("softmax_topk", "sigmoid_grouped_topk") else 1.0)
+            bias = bias.to(dtype).to(device)
+            ranked = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
+                                                topk_group=1)[0].sort(1, descending=True)[0]
+            if not (ranked[:, K - 1] == ranked[:, K]).any():
+                break
+        disp = Dispatch.unsorted(E, K, T * K, device)
+        w, ids, _, _ = routing.route(logits, bias, **kw, weights_dtype=torch.float32, dispatch=disp,
+                                     renorm_min=low_min)
+        r_w, r_ids = reference.route(logits, bias, x_dtype=torch.float32, weights_fp32=True, renorm_min=low_min,
+                                     **kw)
+        order, r_order = ids.sort(1)[1], r_ids.sort(1)[1]
+        unbiased = reference.route(logits, None, x_dtype=torch.float32, weights_fp32=True, renorm_min=low_min, **kw)[1]
+        scores = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
+                                            topk_group=1)[1]
+        w0 = scores.float().gather(1, r_ids)
+        w0 = w0.sigmoid() if kind == "topk_sigmoid" else w0.softmax(-1) if kind == "topk_softmax" else w0
+        clamped = int((w0.sum(-1) < low_min).sum())
+        # backward: d(logits) from d(topk_weights), against the reference's
+        parts = torch.randn(2, T * K, generator=g).to(device)
+        dl = routing.route_backward(logits, ids, disp.pair_pos, parts, None, routing=kind, renormalize=True,
+                                    renorm_eps=0.0, routed_scale=1.5, renorm_min=low_min)
+        d_w = parts.sum(0)[disp.pair_pos.long()].view(T, K)
+        r_dl = reference.routing_backward(logits, w, ids, d_w.double(), routing=kind, renormalize=True,
+                                          renorm_eps=0.0, routed_scale=1.5, renorm_min=low_min)
+        res.append(dict(case=[T, E, K, kind, str(dtype)], ids_equal=bool(torch.equal(ids.gather(1, order),
+                                                                                        r_ids.gather(1, r_order))),
+                        bias_changed_choice=bool((unbiased.sort(1)[0] != r_ids.sort(1)[0]).any()),
+                        w_err=float((w.gather(1, order) - r_w.gather(1, r_order)).abs().max()),
+                        dl_err=float((dl.double() - r_dl).abs().max() / r_dl.abs().max()), clamped=clamped))
+    return res
+
+def rounded_tie(device, low):
+    # Expert 1's logit + bias exceeds expert 0's in fp32, but both round to the same 16-bit value: PyTorch sees a
+    # tie (top-1 then takes the lower index, as the kernel does), so the kernel must round the sum too.
+    logits = torch.tensor([[1.0, 1.0, -3.0, -3.0]]).to(low).to(device)
+    eps = torch.finfo(low).eps
+    bias = torch.tensor([0.0, eps / 8, 0.0, 0.0]).to(low).to(device)
+    w, ids, _, _ = routing.route(logits, bias, top_k=1, routing="topk_sigmoid", softmax_fp32=True, renormalize=False,
+                                 renorm_eps=0.0, routed_scale=1.0, n_group=1, topk_group=1, weights_dtype=torch.float32)
+    summed = logits + bias
+    return dict(bias_nonzero=bool(bias[1] > 0), tie=bool(summed[0, 0] == summed[0, 1]), id=int(ids[0, 0]))
+"""
+
+
+def _check(results, tie):
+    assert len(results) == 4
+    for r in results:
+        assert r["ids_equal"] and r["w_err"] < 1e-6 and r["dl_err"] < 1e-5, r
+        if r["case"][3] != "sigmoid_grouped_topk":
+            assert r["bias_changed_choice"], r
+    clamped = {r["case"][3]: r["clamped"] for r in results}
+    assert 0 < clamped["softmax_topk"] < 37 and 0 < clamped["topk_sigmoid"] < 40, clamped
+    assert clamped["sigmoid_grouped_topk"] == 0
+    assert tie == {"bias_nonzero": True, "tie": True, "id": 0}
+
+
+def _run(device, low):
+    return (f"import json\nprint(json.dumps([compare('{device}', torch.{low}), "
+            f"rounded_tie('{device}', torch.{low})]))\n")
+
+
+def test_selection_bias_and_clamped_renorm():
+    results, tie = run_interpreted(_CASES + _run("cpu", "float16"))
+    _check(results, tie)
+
+
+@pytest.mark.gpu
+def test_selection_bias_and_clamped_renorm_on_the_gpu():
+    import torch
+
+    scope = {}
+    exec(_CASES, scope)
+    _check(scope["compare"]("cuda", torch.bfloat16), scope["rounded_tie"]("cuda", torch.bfloat16))
