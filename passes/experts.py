@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
 from mok_compile.ops.spec import ExpertSpec

@@ -18,7 +18,6 @@ bias, or a wrong activation, changes the output by more than 5%.
 from __future__ import annotations
 
 import math
-import operator
 
 import sympy
 import torch
@@ -26,7 +25,7 @@ import torch.fx as fx
 
 from mok_compile.ops import reference
 
-from .op_names import meta_value, tensor_meta
+from .op_names import meta_value
 
 # Relative error allowed between the graph's own computation and the op's reference.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
