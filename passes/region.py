@@ -196,12 +196,27 @@ def selection_topks(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, f
 _ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "add", "masked_fill"} | CAST_OPS
 
 
+def _fp32_router_mm(n: fx.Node) -> bool:
+    """``torch.mm(x, W.t(), out_dtype=torch.float32)``: fp32 logits from a 16-bit GEMM (Kolibri1's router at
+    inference on CUDA), the same products as ``linear(x.float(), W.float())`` summed in fp32."""
+    return (op_name(n) == "mm" and n.kwargs.get("out_dtype") == torch.float32 and len(n.args) == 2
+            and isinstance(n.args[1], fx.Node) and op_name(n.args[1]) == "t")
+
+
+def router_weight(router_linear: fx.Node):
+    """The [E, H] router weight the linear (or fp32-out mm) reads, past casts."""
+    w = router_linear.args[1]
+    if _fp32_router_mm(router_linear):
+        w = w.args[0]
+    return strip(w, CAST_OPS)
+
+
 def find_router(topk: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(router linear, logits) behind a topk: walk back through score ops to a linear."""
+    """(router linear, logits) behind a topk: walk back through score ops to a linear (or an fp32-out mm)."""
     n = topk.args[0]
     while isinstance(n, fx.Node):
         name = op_name(n)
-        if name == "linear":
+        if name == "linear" or _fp32_router_mm(n):
             return n, n
         if name in _ROUTER_CHAIN_OPS and isinstance(n.args[0], fx.Node):
             n = n.args[0]

@@ -28,7 +28,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import RoutingSpec
 
 from .op_names import CAST_OPS, VIEW_OPS, arg, op_name, tensor_meta
-from .region import NoMatch, Region, getitem_users, strip, topk_k
+from .region import NoMatch, Region, getitem_users, router_weight, strip, topk_k
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,8 @@ def _single_user(node: fx.Node, region: Region) -> fx.Node | None:
 def match_router(region: Region) -> RouterMatch:
     x_dtype = tensor_meta(region.x).dtype
     lin = region.router_linear
-    weight = strip(lin.args[1], CAST_OPS)
-    bias = arg(lin, 2, "bias")
+    weight = router_weight(lin)
+    bias = arg(lin, 2, "bias") if op_name(lin) == "linear" else None
     bias = strip(bias, CAST_OPS) if isinstance(bias, fx.Node) else None
     for name, t in (("router weight", weight), ("router bias", bias)):
         if t is not None and t not in region.inputs:

@@ -181,6 +181,17 @@ class BiasedSigmoidTopKMoE(StackedGatherMoE):
         return w / w.sum(dim=-1, keepdim=True), ids.reshape(-1)
 
 
+class Fp32MmRouterMoE(BiasedSigmoidTopKMoE):
+    """Kolibri1's router at inference on CUDA: fp32 logits from a 16-bit GEMM, ``torch.mm(x, W.t(),
+    out_dtype=torch.float32)`` (that overload has no CPU kernel: trace it on meta tensors or run it on a GPU)."""
+
+    def route(self, x):
+        logits = torch.mm(x, self.router.t(), out_dtype=torch.float32)
+        ids = torch.topk(logits + self.choice_bias, self.top_k, dim=-1)[1]
+        w = logits.gather(1, ids).sigmoid()
+        return w / w.sum(dim=-1, keepdim=True), ids.reshape(-1)
+
+
 class SigmoidTopKMoE(StackedGatherMoE):
     """Sparse topk_sigmoid without a bias: the sigmoid of the top-k logits, scaled."""
 

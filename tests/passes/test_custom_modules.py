@@ -99,6 +99,33 @@ def test_selection_bias_and_sigmoid_topk_routing(module, want):
         assert not torch.equal(torch.topk(probs, 2).indices, torch.topk(probs + module.choice_bias, 2).indices)
 
 
+def _check_fp32_mm_router(report, gm):
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    spec = report.blocks[0].routing
+    assert (spec.routing, spec.router_fp32, spec.renormalize) == ("topk_sigmoid", True, True)
+    op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
+    router, selection_bias = op.args[1], op.args[3]
+    assert (router.op, selection_bias.op) == ("placeholder", "placeholder") and "router" in router.name
+    assert not any(n.target is torch.mm for n in gm.graph.nodes), gm.code
+
+
+def test_fp32_out_mm_router_detected():
+    """``torch.mm(x, W.t(), out_dtype=torch.float32)`` as the router (its CUDA-only overload: traced on meta
+    tensors, structure only): the op gets W with router_fp32."""
+    module = models.Fp32MmRouterMoE().to("meta", torch.bfloat16)
+    gm, example, report, _ = _fuse(module, torch.empty(24, 32, device="meta", dtype=torch.bfloat16), validate=False)
+    _check_fp32_mm_router(report, gm)
+
+
+@pytest.mark.gpu
+def test_fp32_out_mm_router_fused_on_the_gpu():
+    torch.manual_seed(0)
+    module = models.Fp32MmRouterMoE().to("cuda", torch.bfloat16)
+    gm, example, report, eager = _fuse(module, torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))
+    _check_fp32_mm_router(report, gm)
+    torch.testing.assert_close(run(gm, example)[0], eager, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("module,reason", [
     (models.ClampedMaxRenormMoE, "clamped sum other than clamp(sum, min=m)"),
     (models.BiasedWeightsMoE, "not the unbiased softmax probabilities gathered at the chosen experts"),
