@@ -1,6 +1,6 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
-    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,gpt_oss,ernie,llama4]
+    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4]
         [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
@@ -46,6 +46,9 @@ SHAPES = {
     "deepseek_v3": ("deepseek_v3", BlockSizes(hidden=7168, intermediate=2048, experts=256, top_k=8),
                     dict(n_group=8, topk_group=4), (256, 4096)),
     "gpt_oss": ("gpt_oss", BlockSizes(hidden=2880, intermediate=2880, experts=32, top_k=4), {}, (256, 4096)),
+    # DeepSeek-V2 (236B): group-limited greedy routing (the best 3 of 8 groups by their largest probability), x16.
+    "deepseek_v2": ("deepseek_v2", BlockSizes(hidden=5120, intermediate=1536, experts=160, top_k=6),
+                    dict(n_group=8, topk_group=3, routed_scaling_factor=16.0), (256, 4096)),
     # ERNIE-4.5-21B-A3B: a selection bias on the softmax probabilities, w / clamp(sum, 1e-12); its two shared experts
     # (one of twice the size here) run outside the op, as in HF.
     "ernie": ("ernie4_5_moe", BlockSizes(hidden=2560, intermediate=1536, experts=64, top_k=6), {}, (256, 4096)),

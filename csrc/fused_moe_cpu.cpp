@@ -71,6 +71,7 @@ struct MoeOptions {
   double limit;
   bool weight_on_input;
   double renorm_min;
+  int64_t group_top;
 };
 
 Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
@@ -93,10 +94,12 @@ Tensor router_logits(const Tensor& x, const Tensor& router, const OptTensor& rou
   return at::linear(x, router, router_bias);
 }
 
-// DeepSeek-V3 group-limited selection: all but the best `topk_group` groups get -inf.
-Tensor grouped_choice(const Tensor& choice, int64_t n_group, int64_t topk_group) {
+// Group-limited selection (group score: the sum of its `group_top` largest; DeepSeek-V3 2, V2 1): all but the best
+// `topk_group` groups get -inf.
+Tensor grouped_choice(const Tensor& choice, int64_t n_group, int64_t topk_group, int64_t group_top) {
   const int64_t T = choice.size(0), E = choice.size(1), per_group = E / n_group;
-  Tensor group_scores = std::get<0>(choice.view({T, n_group, per_group}).topk(2, -1)).sum(at::IntArrayRef{-1});
+  Tensor group_scores =
+      std::get<0>(choice.view({T, n_group, per_group}).topk(group_top, -1)).sum(at::IntArrayRef{-1});
   Tensor group_idx = std::get<1>(at::topk(group_scores, topk_group, -1, /*largest=*/true, /*sorted=*/false));
   Tensor group_mask = at::zeros_like(group_scores).scatter_(1, group_idx, 1);
   Tensor score_mask = group_mask.unsqueeze(-1).expand({T, n_group, per_group}).reshape({T, E});
@@ -129,9 +132,9 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
     TORCH_CHECK(false, "mok_cpu.fused_moe: unknown routing '", o.routing, "'");
   }
   Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
+  if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group, o.group_top);
   Tensor top, ids;
   if (o.routing == "sigmoid_grouped_topk") {
-    if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group);
     ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
     top = scores.gather(1, ids);
   } else {
@@ -500,13 +503,13 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
-      double renorm_min
+      double renorm_min, int64_t group_top
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
@@ -522,7 +525,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
                                        gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
                                        router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
                                        topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, renorm_min, /*save_h=*/false);
+                                       limit, weight_on_input, renorm_min, group_top, /*save_h=*/false);
   return {out, w, ids};
 }
 
@@ -530,7 +533,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS)
   return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
                       renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, renorm_min, /*save_h=*/true);
+                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, /*save_h=*/true);
 }
 
 // ----------------------------------------------------------------------------- backward
@@ -546,11 +549,11 @@ BackwardResult fused_moe_backward(
     const Tensor& topk_ids, int64_t top_k, c10::string_view routing, bool router_is_logits, bool router_fp32,
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
-    bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min,
+    bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
     const OptTensor& gate_up_out) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
@@ -694,7 +697,7 @@ BackwardResult fused_moe_backward(
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
-  "float renorm_min"
+  "float renorm_min, int group_top"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"

@@ -30,9 +30,12 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_os
 # from FAMILIES, whose tests exercise transformers' experts_implementation forms (grouped_mm, batched_mm):
 # Llama4's experts are plain bmm's; its own pass and backend tests cover it.
 WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
-ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES
+# DeepSeek-V2's block (group-limited greedy routing: groups ranked by their largest probability) for the pass tests
+# and the layer benchmark; its tiny models' MLA attention does not trace in the backend tests.
+OTHER_FAMILIES = ("deepseek_v2",)
+ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
-FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe")
+FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2")
 
 
 def _require_transformers():
@@ -66,6 +69,12 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   norm_topk_prob=True, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                   # MLA has as many key/value heads as query heads; fewer breaks dynamic shapes
+                                  **{**common, "num_key_value_heads": common["num_attention_heads"]})
+    elif family == "deepseek_v2":
+        cfg = tf.DeepseekV2Config(intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=E,
+                                  n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=1,
+                                  routed_scaling_factor=2.5, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                                   **{**common, "num_key_value_heads": common["num_attention_heads"]})
     elif family == "gpt_oss":
         cfg = tf.GptOssConfig(intermediate_size=I, num_local_experts=E, head_dim=H // 4, sliding_window=64,
@@ -104,6 +113,7 @@ def _block_class(family: str):
         "granitemoe": "GraniteMoeMoE",
         "llama4": "Llama4TextMoe",
         "ernie4_5_moe": "Ernie4_5_MoeSparseMoeBlock",
+        "deepseek_v2": "DeepseekV2Moe",
     }
     return getattr(mod, names[family])
 
@@ -161,6 +171,13 @@ def routed_parts(family: str, block):
     if family == "granitemoe":
         spec = RoutingSpec(top_k=K, routing="topk_softmax", softmax_fp32=True, weights_fp32=False)
         return block.router, block.experts, spec, ExpertSpec()
+    if family == "deepseek_v2":
+        # DeepseekV2TopkRouter: fp32 softmax; group_limited_greedy keeps the best topk_group groups by their max.
+        grouped = cfg.topk_method == "group_limited_greedy"
+        spec = RoutingSpec(top_k=K, router_fp32=True, routed_scale=float(cfg.routed_scaling_factor),
+                           n_group=cfg.n_group if grouped else 1, topk_group=cfg.topk_group if grouped else 1,
+                           group_top=1 if grouped else 2)
+        return block.gate, block.experts, spec, ExpertSpec()
     if family == "ernie4_5_moe":
         # Ernie4_5_MoeTopKRouter: fp32 softmax, a selection bias on the probabilities, w / clamp(sum, min), cast.
         spec = RoutingSpec(top_k=K, router_fp32=True, renormalize=True, renorm_min=float(block.gate.norm_min),

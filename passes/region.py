@@ -57,6 +57,7 @@ KNOWN_OPS = frozenset({
     "stack", "cat", "scatter_add", "index_put", "long", "int", "nonzero", "select", "narrow",
     "squeeze_", "getattr", "neg", "ge", "gt", "le", "lt",
     "full_like", "repeat",  # dense weight-on-input routing (Llama4): -inf scatter of the top-k, repeated input
+    "max",  # a group's largest score in group-limited routing (DeepSeek-V2); `routing.match_router` places it
 })
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.

@@ -73,21 +73,37 @@ def _pre_topk_chain(region: Region) -> list[fx.Node]:
     return chain
 
 
-def _group_limit(region: Region, masked: fx.Node, E: int) -> tuple[int, int]:
-    """(n_group, topk_group) of DeepSeek-style group-limited selection feeding `masked` (a masked_fill)."""
+def _group_limit(region: Region, masked: fx.Node, E: int, nonnegative: bool) -> tuple[int, int, int]:
+    """(n_group, topk_group, group_top) of DeepSeek-style group-limited selection feeding `masked` (a masked_fill of
+    the choice values): group score = the sum of each group's top 2 (V3: ``view(T, G, E/G).topk(2)[0].sum(-1)``)
+    or its max (V2: ``.max(dim=-1)[0]``); the best groups by a 2-D topk. The others are filled with -inf, or with 0
+    where every choice value is >= 0 (V2's probabilities), which then never outranks a kept expert."""
+    fill = arg(masked, 2, "value")
+    if not (fill == -math.inf or (fill == 0.0 and nonnegative)):
+        raise NoMatch(f"group-limited routing fills the other groups with {fill!r} (not -inf, nor 0 below "
+                      "non-negative scores)")
     group_topks = [n for n in region.nodes if op_name(n) == "topk" and n is not region.topk]
-    per_group = [n for n in group_topks if (m := tensor_meta(n.args[0])) is not None and m.dim() == 3]
+    per_group = [n for n in region.nodes if op_name(n) in ("topk", "max") and n is not region.topk
+                 and (m := tensor_meta(n.args[0])) is not None and m.dim() == 3]
     choose = [n for n in group_topks if (m := tensor_meta(n.args[0])) is not None and m.dim() == 2]
     if len(per_group) != 1 or len(choose) != 1:
         raise NoMatch("group-limited routing has an unexpected structure")
-    grouped = tensor_meta(per_group[0].args[0])
+    reduce = per_group[0]
+    grouped = tensor_meta(reduce.args[0])
     n_group = int(grouped.shape[1])
-    if n_group * int(grouped.shape[2]) != E or topk_k(per_group[0]) != 2:
-        raise NoMatch("group score is not the sum of the top-2 scores of each expert group")
-    scorer = [u for u in getitem_users(per_group[0], 0) if any(op_name(v) == "sum" for v in u.users)]
-    if not scorer:
-        raise NoMatch("group score is not the sum of the top-2 scores of each expert group")
-    return n_group, topk_k(choose[0])
+    if n_group * int(grouped.shape[2]) != E or strip(reduce.args[0], VIEW_OPS) is not masked.args[0]:
+        raise NoMatch("group scores are not taken over equal groups of the experts' choice values")
+    if not _is_last_dim(arg(reduce, 1, "dim") if op_name(reduce) == "max" else arg(reduce, 2, "dim", -1), 3):
+        raise NoMatch("group scores are not taken within each group")
+    values = getitem_users(reduce, 0)
+    if op_name(reduce) == "max":  # V2: the group's largest value
+        group_top, score = 1, values[0] if len(values) == 1 else None
+    else:  # V3: the sum of the group's top 2
+        sums = [u for v in values for u in v.users if op_name(u) == "sum" and _is_last_dim(arg(u, 1, "dim"), 3)]
+        group_top, score = topk_k(reduce), sums[0] if len(values) == 1 and len(sums) == 1 else None
+    if group_top not in (1, 2) or score is None or strip(choose[0].args[0], CAST_OPS) is not score:
+        raise NoMatch("group score is neither each group's largest value nor the sum of its top 2")
+    return n_group, topk_k(choose[0]), group_top
 
 
 def _single_user(node: fx.Node, region: Region) -> fx.Node | None:
@@ -133,11 +149,11 @@ def match_router(region: Region) -> RouterMatch:
             masked = n
         elif name not in CAST_OPS:
             raise NoMatch(f"router op {name!r} is not supported")
-    n_group, topk_group = 1, 1
+    n_group, topk_group, group_top = 1, 1, 2
     if masked is not None:
-        if routing != "sigmoid_grouped_topk":
-            raise NoMatch("group-limited selection is only supported with sigmoid routing")
-        n_group, topk_group = _group_limit(region, masked, E)
+        if routing not in ("sigmoid_grouped_topk", "softmax_topk"):
+            raise NoMatch("group-limited selection is only supported over softmax or sigmoid scores")
+        n_group, topk_group, group_top = _group_limit(region, masked, E, nonnegative=selection_bias is None)
 
     if routing is None and selection_bias is None and masked is None:
         dense = _dense_sigmoid_scores(region)
@@ -189,7 +205,7 @@ def match_router(region: Region) -> RouterMatch:
     weights_fp32 = tensor_meta(w).dtype == torch.float32
     spec = RoutingSpec(top_k=K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
-                       n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32)
+                       n_group=n_group, topk_group=topk_group, group_top=group_top, weights_fp32=weights_fp32)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
 
 

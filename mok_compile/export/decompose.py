@@ -109,7 +109,7 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
     w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=kw["top_k"], routing=kw["routing"],
                    softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
                    routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
-                   weights_fp32=kw["weights_fp32"], renorm_min=kw["renorm_min"])
+                   weights_fp32=kw["weights_fp32"], renorm_min=kw["renorm_min"], group_top=kw["group_top"])
     weight_on_input = kw["weight_on_input"]
     y = _EXPERTS[experts_form](x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias,
                                transposed=kw["transposed"], input_weights=w if weight_on_input else None,

@@ -280,7 +280,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         logits, selection_bias, top_k=K, routing=kw["routing"],
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
-        weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"])
+        weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"])
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)

@@ -74,13 +74,14 @@ def _route_fwd_kernel(
     HAS_SEL_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
     RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
-    DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0,
+    DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0, GROUP_TOP: tl.constexpr = 2,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
     chunk, from the same picks, so a few-token call skips those two launches.
 
     HAS_SEL_BIAS: the selection bias is added to what the top-k ranks (`choice`), never to `value`;
-    SEL_LOW: that sum is rounded to the logits' dtype, as PyTorch rounds a 16-bit score plus a 16-bit bias."""
+    SEL_LOW: that sum is rounded to the logits' dtype, as PyTorch rounds a 16-bit score plus a 16-bit bias.
+    N_GROUP > 1: only the TOPK_GROUP groups with the largest sums of their GROUP_TOP largest choices can be chosen."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -116,22 +117,22 @@ def _route_fwd_kernel(
         choice = choice + tl.load(sel_bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if SEL_LOW:
             choice = choice.to(LDT).to(tl.float32)
-    if ROUTING == 2:
-        if N_GROUP > 1:  # keep the TOPK_GROUP groups whose top-2 sum is largest
-            gid = cols // group_size
-            gcols = tl.arange(0, G_PAD)
-            gscore = tl.full((BLOCK_T, G_PAD), ninf, tl.float32)
-            for g in tl.static_range(N_GROUP):
-                c = tl.where((gid == g)[None, :], choice, ninf)
-                m1, i1 = _argmax_first(c, cols, BLOCK_E)
-                m2 = tl.max(tl.where(cols[None, :] == i1[:, None], ninf, c), axis=1)
-                gscore = tl.where(gcols[None, :] == g, (m1 + m2)[:, None], gscore)
-            keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
-            for j in tl.static_range(TOPK_GROUP):
-                _, gi = _argmax_first(gscore, gcols, G_PAD)
-                keep += (gid[None, :] == gi[:, None]).to(tl.int32)
-                gscore = tl.where(gcols[None, :] == gi[:, None], ninf, gscore)
-            choice = tl.where(keep > 0, choice, ninf)
+    if N_GROUP > 1:  # keep the TOPK_GROUP groups whose GROUP_TOP largest choices sum the largest
+        gid = cols // group_size
+        gcols = tl.arange(0, G_PAD)
+        gscore = tl.full((BLOCK_T, G_PAD), ninf, tl.float32)
+        for g in tl.static_range(N_GROUP):
+            c = tl.where((gid == g)[None, :], choice, ninf)
+            m1, i1 = _argmax_first(c, cols, BLOCK_E)
+            if GROUP_TOP == 2:
+                m1 += tl.max(tl.where(cols[None, :] == i1[:, None], ninf, c), axis=1)
+            gscore = tl.where(gcols[None, :] == g, m1[:, None], gscore)
+        keep = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+        for j in tl.static_range(TOPK_GROUP):
+            _, gi = _argmax_first(gscore, gcols, G_PAD)
+            keep += (gid[None, :] == gi[:, None]).to(tl.int32)
+            gscore = tl.where(gcols[None, :] == gi[:, None], ninf, gscore)
+        choice = tl.where(keep > 0, choice, ninf)
 
     kcols = tl.arange(0, K_PAD)
     top_v = tl.zeros((BLOCK_T, K_PAD), tl.float32)
@@ -186,7 +187,7 @@ def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-          topk_group, weights_dtype, dispatch=None, renorm_min=0.0):
+          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2):
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
@@ -197,7 +198,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
     n_chunks = cdiv(T, block_t)
     w = torch.empty((T, top_k), dtype=weights_dtype, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
-    grouped = routing == "sigmoid_grouped_topk" and n_group > 1
+    grouped = n_group > 1
     fused = dispatch is not None and n_chunks == 1
     counts = None if fused else torch.empty((n_chunks, block_e), dtype=torch.int32, device=logits.device)
     if T > 0:
@@ -211,7 +212,8 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
             HAS_SEL_BIAS=selection_bias is not None, SEL_LOW=_selection_rounds(logits, selection_bias, routing,
                                                                                softmax_fp32),
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
-            G_PAD=next_power_of_2(max(n_group, 2)), RENORM=renormalize, renorm_min=float(renorm_min),
+            G_PAD=next_power_of_2(max(n_group, 2)), GROUP_TOP=group_top, RENORM=renormalize,
+            renorm_min=float(renorm_min),
             BLOCK_T=block_t, BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
             **({} if not fused else dict(
                 expert_count_ptr=dispatch.expert_count, expert_start_ptr=dispatch.expert_start,

@@ -35,7 +35,7 @@ _SCALARS = (
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
-    "float renorm_min=0.0"
+    "float renorm_min=0.0, int group_top=2"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -89,6 +89,7 @@ lib.define(FUSED_MOE_TRAIN_SCHEMA)
 lib.define(FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_GROUPED_ROUTINGS = ("softmax_topk", "sigmoid_grouped_topk")
 
 
 def _fail(msg: str):
@@ -171,8 +172,10 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
             _fail(f"selection_bias has unsupported dtype {selection_bias.dtype}")
     if not 0.0 <= kw["renorm_min"] < float("inf"):
         _fail(f"renorm_min must be a finite number >= 0, got {kw['renorm_min']}")
-    if n_group != 1 and routing != "sigmoid_grouped_topk":
-        _fail(f"n_group={n_group} (group-limited routing) is only supported with routing='sigmoid_grouped_topk'")
+    if n_group != 1 and routing not in _GROUPED_ROUTINGS:
+        _fail(f"n_group={n_group} (group-limited routing) is only supported with routing in {_GROUPED_ROUTINGS}")
+    if kw["group_top"] not in (1, 2):
+        _fail(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {kw['group_top']}")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),
                     ("gate_up_proj", gate_up_proj), ("gate_up_bias", gate_up_bias), ("down_proj", down_proj),
                     ("down_bias", down_bias)):
@@ -182,9 +185,10 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
     if routing not in ROUTINGS:
         _fail(f"routing={routing!r} is not supported; use one of {ROUTINGS}")
-    if routing == "sigmoid_grouped_topk" and n_group > 1:
-        if E % n_group != 0 or E // n_group < 2:
-            _fail(f"n_group={n_group} must divide E={E} into groups of at least 2 experts")
+    if n_group > 1:
+        if E % n_group != 0 or E // n_group < kw["group_top"]:
+            _fail(f"n_group={n_group} must divide E={E} into groups of at least {kw['group_top']} experts "
+                  f"(group_top={kw['group_top']})")
         if not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
             _fail(f"topk_group={topk_group} (n_group={n_group}) leaves fewer than top_k={top_k} experts")
     try:

@@ -66,10 +66,11 @@ def _renorm_and_scale(w, *, renormalize, renorm_eps, renorm_min, routed_scale):
     return w
 
 
-def _grouped_choice(choice, n_group, topk_group):
-    """DeepSeek-V3 group-limited selection: mask all but the best groups with -inf."""
+def _grouped_choice(choice, n_group, topk_group, group_top):
+    """Group-limited selection (DeepSeek-V3: group score = sum of its top 2; V2: its max): mask all but the best
+    groups with -inf."""
     T, E = choice.shape
-    group_scores = choice.view(T, n_group, E // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_scores = choice.view(T, n_group, E // n_group).topk(group_top, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
@@ -81,7 +82,7 @@ def routing_weights_dtype(x_dtype: torch.dtype, weights_fp32: bool) -> torch.dty
     return _acc_dtype(x_dtype) if weights_fp32 else x_dtype
 
 
-def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, topk_group):
+def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, topk_group, group_top=2):
     """(choice, scores): per expert, the value whose top-k picks the experts (`choice`; between exactly
     equal values either pick is right, as torch.topk promises no order) and the one the routing
     weights are taken from."""
@@ -97,15 +98,15 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
         raise ValueError(f"unknown routing {routing!r}")
     choice = scores if selection_bias is None else scores + selection_bias
     if n_group > 1:
-        choice = _grouped_choice(choice, n_group, topk_group)
+        choice = _grouped_choice(choice, n_group, topk_group, group_top)
     return choice, scores
 
 
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
-          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0):
+          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
-                                      n_group=n_group, topk_group=topk_group)
+                                      n_group=n_group, topk_group=topk_group, group_top=group_top)
     if routing == "sigmoid_grouped_topk":
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         top = scores.gather(1, ids)
@@ -212,14 +213,14 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False, renorm_min=0.0):
+                        weight_on_input=False, renorm_min=0.0, group_top=2):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=top_k, routing=routing,
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
                    routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32,
-                   renorm_min=renorm_min)
+                   renorm_min=renorm_min, group_top=group_top)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input)
@@ -312,7 +313,8 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 renorm_min=0.0, gate_up_out=None, router_logits=None, routing_layout=None):
+                                 renorm_min=0.0, group_top=2, gate_up_out=None, router_logits=None,
+                                 routing_layout=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 

@@ -9,13 +9,15 @@ Routing families (see shared/moe-semantics.md):
 
 - ``softmax_topk`` (A): ``softmax(logits)`` -> ``topk`` -> optional renormalise
   -> scale. Mixtral, Qwen2/3-MoE, OLMoE, Jamba, ...; Ernie 4.5 adds a selection
-  bias to the probabilities and renormalises by ``clamp(sum, min)``.
+  bias to the probabilities and renormalises by ``clamp(sum, min)``; DeepSeek-V2's
+  group-limited greedy keeps the best ``topk_group`` of ``n_group`` groups by
+  their largest probability (``group_top=1``) before the ``topk``.
 - ``topk_softmax`` (B): ``topk(logits)`` -> ``softmax`` over the k. Granite-MoE,
   GPT-OSS, JetMoE, ...
 - ``sigmoid_grouped_topk`` (C): ``sigmoid(logits)`` + selection bias (used only
   to choose) -> keep the best ``topk_group`` of ``n_group`` groups (group score =
-  sum of its top-2) -> ``topk`` -> gather the unbiased scores -> renormalise ->
-  scale. DeepSeek-V3, GLM4-MoE, Kimi, ...
+  sum of its ``group_top`` = 2 largest) -> ``topk`` -> gather the unbiased scores
+  -> renormalise -> scale. DeepSeek-V3, GLM4-MoE, Kimi, ...
 - ``topk_sigmoid`` (D): ``topk(logits)`` -> ``sigmoid`` of the k chosen logits
   (fp32 when ``softmax_fp32``) -> optional renormalise -> scale. Llama4, whose
   dense weight-on-input MoE also sets ``weight_on_input``; Kolibri1 (with a
@@ -53,6 +55,10 @@ class RoutingSpec:
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
+    n_group, topk_group, group_top: group-limited selection (``softmax_topk`` and
+        ``sigmoid_grouped_topk``): the experts form ``n_group`` equal groups, a group's
+        score is the sum of its ``group_top`` largest selection values, and only the
+        ``topk_group`` best groups' experts can be chosen.
     renorm_min: the renormalisation's denominator is at least this, i.e.
         ``w / (clamp(sum(w), min=renorm_min) + renorm_eps)`` (Ernie 4.5: 1e-12).
     weight_on_input: the routing weight scales the expert's *input* instead of
@@ -76,6 +82,7 @@ class RoutingSpec:
     weights_fp32: bool = True
     weight_on_input: bool = False
     renorm_min: float = 0.0
+    group_top: int = 2
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -86,6 +93,8 @@ class RoutingSpec:
             raise ValueError(
                 f"need 1 <= topk_group <= n_group, got n_group={self.n_group}, topk_group={self.topk_group}"
             )
+        if self.group_top not in (1, 2):
+            raise ValueError(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {self.group_top}")
         if not 0.0 <= self.renorm_min < float("inf"):
             raise ValueError(f"renorm_min must be a finite number >= 0, got {self.renorm_min}")
 

@@ -18,6 +18,9 @@ VARIANTS = {
     "deepseek_v3": (dict(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20,
                          routed_scale=2.5, n_group=4, topk_group=2), ExpertSpec(), False, False, True),
     "sigmoid_ungrouped": (dict(routing="sigmoid_grouped_topk", routed_scale=1.5), ExpertSpec(), False, False, False),
+    # DeepSeek-V2's group-limited greedy: fp32 softmax, the best 2 of 4 groups by their largest probability, scaled.
+    "deepseek_v2": (dict(router_fp32=True, routed_scale=2.5, n_group=4, topk_group=2, group_top=1), ExpertSpec(), False,
+                    False, False),
     # AFMoE: sigmoid scores of a router in the model's dtype, one group, selection bias, renormalised and scaled.
     "afmoe": (dict(routing="sigmoid_grouped_topk", renormalize=True, renorm_eps=1e-20, routed_scale=2.5), ExpertSpec(),
               False, False, True),

@@ -35,7 +35,7 @@ def _tie_at_top_k(tensors, kw):
                                      router_fp32=kw["router_fp32"])
     choice, _ = reference.selection_scores(logits, selection_bias, routing=kw["routing"],
                                            softmax_fp32=kw["softmax_fp32"], n_group=kw["n_group"],
-                                           topk_group=kw["topk_group"])
+                                           topk_group=kw["topk_group"], group_top=kw["group_top"])
     ranked = choice.sort(dim=-1, descending=True).values
     return bool((ranked[:, K - 1] == ranked[:, K]).any())
 

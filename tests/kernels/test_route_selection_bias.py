@@ -1,6 +1,7 @@
 """The router kernel with a selection bias on every routing (it only chooses: the weights come from the unbiased
-values) and with a clamp-min renormalisation (Ernie 4.5: w / clamp(sum, min)), forward and backward, against
-the reference. Under TRITON_INTERPRET=1 in a subprocess (fp32 and fp16), and on the GPU in bf16."""
+values), with a clamp-min renormalisation (Ernie 4.5: w / clamp(sum, min)), forward and backward, and with
+group-limited selection on softmax probabilities by group max (DeepSeek-V2) or top-2 sum, against the reference.
+Under TRITON_INTERPRET=1 in a subprocess (fp32 and fp16), and on the GPU in bf16."""
 
 import pytest
 
@@ -61,6 +62,27 @@ def compare(device, low):
                         dl_err=float((dl.double() - r_dl).abs().max() / r_dl.abs().max()), clamped=clamped))
     return res
 
+def grouped(device):
+    # Group-limited selection on softmax probabilities (DeepSeek-V2: group score = its max; V3's: its top-2 sum).
+    res = {}
+    T, E, K = 45, 16, 4
+    g = generator(T * 17 + E)
+    logits = (torch.randn(T, E, generator=g) * 2).to(device)
+    picks = {}
+    for group_top in (1, 2):
+        kw = dict(top_k=K, routing="softmax_topk", softmax_fp32=True, renormalize=False, renorm_eps=0.0,
+                  routed_scale=2.5, n_group=4, topk_group=2, group_top=group_top)
+        w, ids, _, _ = routing.route(logits, None, **kw, weights_dtype=torch.float32)
+        r_w, r_ids = reference.route(logits, None, x_dtype=torch.float32, weights_fp32=True, **kw)
+        order, r_order = ids.sort(1)[1], r_ids.sort(1)[1]
+        res[group_top] = dict(ids_equal=bool(torch.equal(ids.gather(1, order), r_ids.gather(1, r_order))),
+                              w_err=float((w.gather(1, order) - r_w.gather(1, r_order)).abs().max()))
+        picks[group_top] = ids.sort(1)[0]
+    ungrouped = torch.topk(logits, K).indices.sort(1)[0]
+    res["top1_vs_top2_differ"] = bool((picks[1] != picks[2]).any())
+    res["groups_matter"] = bool((picks[1] != ungrouped).any())
+    return res
+
 def rounded_tie(device, low):
     # Expert 1's logit + bias exceeds expert 0's in fp32, but both round to the same 16-bit value: PyTorch sees a
     # tie (top-1 then takes the lower index, as the kernel does), so the kernel must round the sum too.
@@ -72,6 +94,12 @@ def rounded_tie(device, low):
     summed = logits + bias
     return dict(bias_nonzero=bool(bias[1] > 0), tie=bool(summed[0, 0] == summed[0, 1]), id=int(ids[0, 0]))
 """
+
+
+def _check_grouped(res):
+    for group_top in ("1", "2"):
+        assert res[group_top]["ids_equal"] and res[group_top]["w_err"] < 1e-6, res
+    assert res["top1_vs_top2_differ"] and res["groups_matter"], res
 
 
 def _check(results, tie):
@@ -88,12 +116,13 @@ def _check(results, tie):
 
 def _run(device, low):
     return (f"import json\nprint(json.dumps([compare('{device}', torch.{low}), "
-            f"rounded_tie('{device}', torch.{low})]))\n")
+            f"rounded_tie('{device}', torch.{low}), grouped('{device}')]))\n")
 
 
 def test_selection_bias_and_clamped_renorm():
-    results, tie = run_interpreted(_CASES + _run("cpu", "float16"))
+    results, tie, groups = run_interpreted(_CASES + _run("cpu", "float16"))
     _check(results, tie)
+    _check_grouped(groups)
 
 
 @pytest.mark.gpu
@@ -103,3 +132,4 @@ def test_selection_bias_and_clamped_renorm_on_the_gpu():
     scope = {}
     exec(_CASES, scope)
     _check(scope["compare"]("cuda", torch.bfloat16), scope["rounded_tie"]("cuda", torch.bfloat16))
+    _check_grouped({str(k): v for k, v in scope["grouped"]("cuda").items()})

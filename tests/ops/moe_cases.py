@@ -67,6 +67,12 @@ ROUTING_CASES = [
     Case("softmax_topk_ernie_bf16", _r(router_fp32=True, renormalize=True, renorm_min=1e-12, weights_fp32=False),
          selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
     Case("topk_softmax_selection_bias", _r(routing="topk_softmax", renormalize=True), selection_bias=True),
+    # DeepSeek-V2's group-limited greedy: softmax, the best topk_group of n_group groups by their largest
+    # probability, scaled; and with the group score of DeepSeek-V3 (its top-2 sum) and a selection bias.
+    Case("softmax_topk_group_max", _r(top_k=3, n_group=4, topk_group=2, group_top=1, routed_scale=2.5),
+         num_experts=8),
+    Case("softmax_topk_groups_bias_bf16", _r(n_group=2, topk_group=1, router_fp32=True, renormalize=True),
+         selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
     Case("sigmoid", _r(routing="sigmoid_grouped_topk")),
     Case("sigmoid_renorm_no_eps_wdtype", _r(routing="sigmoid_grouped_topk", renormalize=True, weights_fp32=False)),
     Case("sigmoid_deepseek_v3",
@@ -216,6 +222,19 @@ def _activation(h, spec: ExpertSpec, I: int):
     raise AssertionError(f"oracle lacks {spec}")
 
 
+def _allowed(choice, kw) -> list[int]:
+    """The experts a token may choose under group-limited selection: those of the `topk_group` groups whose
+    `group_top` largest values sum the largest (every expert without groups)."""
+    E = choice.shape[0]
+    if kw["n_group"] == 1:
+        return list(range(E))
+    size = E // kw["n_group"]
+    group_score = torch.stack([choice[g * size:(g + 1) * size].sort(descending=True)[0][:kw["group_top"]].sum()
+                               for g in range(kw["n_group"])])
+    kept = _largest(group_score, kw["topk_group"])
+    return [e for e in range(E) if e // size in kept]
+
+
 def dense_oracle(args, kwargs):
     """(out [T, H], weights {(t, expert): w}) of the MoE, token by token; differentiable.
 
@@ -240,7 +259,7 @@ def dense_oracle(args, kwargs):
         if kw["routing"] == "softmax_topk":
             p = torch.exp(logits - logits.max())
             p = p / p.sum()
-            chosen = _largest(p + bias, K)
+            chosen = _largest(p + bias, K, _allowed(p + bias, kw))
             w = p[chosen]
         elif kw["routing"] == "topk_softmax":
             chosen = _largest(logits + bias, K)
@@ -252,14 +271,7 @@ def dense_oracle(args, kwargs):
         else:
             s = _sigmoid(logits)
             c = s if selection_bias is None else s + selection_bias
-            allowed = list(range(E))
-            if kw["n_group"] > 1:
-                size = E // kw["n_group"]
-                group_score = torch.stack([c[g * size:(g + 1) * size].sort(descending=True)[0][:2].sum()
-                                           for g in range(kw["n_group"])])
-                kept = _largest(group_score, kw["topk_group"])
-                allowed = [e for e in range(E) if e // size in kept]
-            chosen = _largest(c, K, allowed)
+            chosen = _largest(c, K, _allowed(c, kw))
             w = s[chosen]
         if kw["renormalize"]:
             w = w / (torch.clamp(w.sum(), min=kw["renorm_min"]) + kw["renorm_eps"])

@@ -200,6 +200,26 @@ class SigmoidTopKMoE(StackedGatherMoE):
         return top.sigmoid() * self.scale, ids.reshape(-1)
 
 
+class GroupLimitedMoE(StackedGatherMoE):
+    """DeepSeek-V3's group-limited selection on sigmoid scores plus a selection bias: 4 groups, the best 2 by the
+    sum of their top `group_top` choices; the others filled with `fill` before the top-k."""
+
+    def __init__(self, fill=float("-inf"), group_top=2, experts=16, **kw):
+        super().__init__(experts=experts, **kw)
+        self.fill, self.group_top = fill, group_top
+
+    def route(self, x):
+        scores = F.linear(x, self.router).float().sigmoid()
+        choice = scores + self.choice_bias
+        E = choice.shape[-1]
+        group = choice.view(-1, 4, E // 4).topk(self.group_top, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(group).scatter(1, torch.topk(group, 2, dim=-1)[1], 1)
+        keep = keep.unsqueeze(-1).expand(-1, 4, E // 4).reshape(-1, E)
+        ids = torch.topk(choice.masked_fill(~keep.bool(), self.fill), self.top_k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
+
+
 class SharedExpertMoE(nn.Module):
     """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
 

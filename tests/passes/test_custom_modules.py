@@ -137,6 +137,27 @@ def test_selection_bias_near_misses(module, reason):
     assert reason in report.rejected[0].reason, report.rejected[0].reason
 
 
+def test_group_limited_selection_fused():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.GroupLimitedMoE(), torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    spec = report.blocks[0].routing
+    assert (spec.routing, spec.n_group, spec.topk_group, spec.group_top) == ("sigmoid_grouped_topk", 4, 2, 2)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+@pytest.mark.parametrize("kw,reason", [
+    # With a selection bias a choice value can be negative: a 0 then outranks it, unlike the op's -inf.
+    (dict(fill=0.0), "fills the other groups with 0.0"),
+    (dict(group_top=3), "neither each group's largest value nor the sum of its top 2"),
+], ids=["zero_fill_under_a_bias", "top3_group_score"])
+def test_group_limited_selection_near_misses(kw, reason):
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.GroupLimitedMoE(**kw), torch.randn(24, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert reason in report.rejected[0].reason, report.rejected[0].reason
+
+
 def test_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))

@@ -163,6 +163,37 @@ def test_afmoe_block_fused_with_its_shared_experts_outside(dtype):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_deepseek_v2_block_fused(dtype, method):
+    """DeepseekV2Moe: fp32 softmax, top-k, scaled (greedy); group_limited_greedy first keeps the best topk_group of
+    n_group groups by their largest probability and fills the others with 0 (never chosen over a probability)."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+    import transformers as tf
+
+    grouped = method == "group_limited_greedy"
+    config = tf.DeepseekV2Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                 n_shared_experts=1, topk_method=method, n_group=4 if grouped else 1,
+                                 topk_group=1, routed_scaling_factor=2.5, num_attention_heads=4,
+                                 kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                 v_head_dim=16)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(DeepseekV2Moe(config)).to(dtype).eval()
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    (graph,), eager = capture(block, x)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    routing = report.blocks[0].routing
+    assert (routing.routing, routing.routed_scale, routing.n_group, routing.group_top) == (
+        "softmax_topk", 2.5, 4 if grouped else 1, 1 if grouped else 2)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+    if grouped:  # the groups changed some token's choice
+        with torch.no_grad():
+            probs = block.gate(x.view(-1, 64))[0].float().softmax(-1)
+            assert not torch.equal(block.gate(x.view(-1, 64))[2].sort(-1)[0], probs.topk(2)[1].sort(-1)[0])
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renorm", "no_renorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_kolibri1_block_fused(dtype, norm_topk_prob):
