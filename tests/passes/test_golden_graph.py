@@ -7,7 +7,7 @@ here, other prefixes in other torch versions) and its name counters (``getitem_6
 
 import re
 
-import expecttest
+import pytest
 import torch
 import torch.fx as fx
 
@@ -15,6 +15,9 @@ from mok_compile.passes import fuse_moe
 
 from . import models
 from .helpers import capture, run
+
+# The [test] extra installs it (CI); the GPU machine has none: there the golden graphs are skipped, not an error.
+expecttest = pytest.importorskip("expecttest")
 
 
 def canonical_code(gm: fx.GraphModule) -> str:
