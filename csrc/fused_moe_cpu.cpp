@@ -125,7 +125,7 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   } else if (o.routing == "topk_softmax") {
     scores = o.softmax_fp32 ? upcast(logits) : logits;
   } else if (o.routing == "sigmoid_grouped_topk") {
-    scores = upcast(logits).sigmoid();
+    scores = (o.softmax_fp32 ? upcast(logits) : logits).sigmoid();
   } else if (o.routing == "topk_sigmoid") {
     scores = logits;
   } else {

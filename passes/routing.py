@@ -3,8 +3,9 @@
     A  logits ─(float)─ softmax ─> p ─> topk ─> w0 ─[renormalise]─[* scale]─[cast]─> w
        with a selection bias (Ernie 4.5): p + sel_bias ─> topk ─> ids;  w0 = p.gather(1, ids)
     B  logits ─(float)─ topk ─> w0 ─ softmax ─[cast]─> w
-    C  logits(fp32) ─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
-       scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) ─[renormalise]─[* scale]─> w
+    C  logits ─(float)─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
+       scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) (or the top-k values where nothing
+       biased the choice) ─[renormalise]─[* scale]─> w
     D  logits ─ topk ─> top ─ sigmoid ─[renormalise]─[* scale]─[cast]─> w
        with a selection bias (Kolibri1): logits + sel_bias ─> topk ─> ids;  top = logits.gather(1, ids)
     D  dense: logits ─ topk ─> top, ids;  full_like(logits, -inf).scatter(1, ids, top) ─(float)─ sigmoid ─[cast]─> s
@@ -13,8 +14,10 @@
 
     renormalise: w0 / ([clamp(] sum(w0, -1, keepdim) [, min=m)] [+ eps])
 
-Anything else on these chains (a bias used for the weights, a softmax in
-another dimension, a clamp with a maximum) is reported, not guessed.
+A cast to the dtype a value already has is skipped wherever it stands (LFM2-MoE's
+``.type_as(logits)`` before its renormalisation). Anything else on these chains (a
+bias used for the weights, a softmax in another dimension, a clamp with a maximum)
+is reported, not guessed.
 """
 
 from __future__ import annotations
@@ -138,9 +141,8 @@ def match_router(region: Region) -> RouterMatch:
         elif name == "sigmoid":
             if routing is not None:
                 raise NoMatch("router combines sigmoid with another score function")
-            if tensor_meta(n).dtype not in (torch.float32, torch.float64):
-                raise NoMatch("sigmoid routing scores are not computed in fp32")
             routing, scores = "sigmoid_grouped_topk", n
+            softmax_fp32 = tensor_meta(n).dtype in (torch.float32, torch.float64)
         elif name == "add":
             if selection_bias is not None:
                 raise NoMatch("router adds two things before the top-k")
@@ -165,14 +167,15 @@ def match_router(region: Region) -> RouterMatch:
                                weights_fp32=weights_fp32, weight_on_input=True)
             return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
 
-    # The unnormalised top-k weights: where a selection bias chose, the unbiased scores gathered at the choice.
-    if routing == "sigmoid_grouped_topk" or selection_bias is not None:
+    # The unnormalised top-k weights: the top-k values; where a selection bias chose (or the values are unused, as in
+    # DeepSeek-V3's router), the unbiased scores gathered at the choice.
+    values = getitem_users(region.topk, 0)
+    if selection_bias is None and len(values) == 1 and any(u in region.nodes for u in values[0].users):
+        w = values[0]
+    elif routing == "sigmoid_grouped_topk" or selection_bias is not None:
         w = _gathered_scores(region, scores, routing)
     else:
-        values = getitem_users(region.topk, 0)
-        if len(values) != 1:
-            raise NoMatch("top-k values are not used as routing weights")
-        w = values[0]
+        raise NoMatch("top-k values are not used as routing weights")
 
     # Walk the weight chain: [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [cast], in this order.
     stage, renormalize, eps, renorm_min, scale = 0, False, 0.0, 0.0, 1.0
@@ -196,7 +199,8 @@ def match_router(region: Region) -> RouterMatch:
         elif name == "mul" and u.args[0] is w and _float_const(u.args[1]) is not None and stage <= 2:
             scale, stage = scale * _float_const(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
-            stage = 4
+            if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
+                stage = 4
         else:
             break
         w = u

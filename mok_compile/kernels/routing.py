@@ -112,6 +112,8 @@ def _route_fwd_kernel(
         choice = tl.where(cmask[None, :], logit, ninf)
     else:  # sigmoid scores
         value = 1.0 / (1.0 + tl.exp(-logit))
+        if SOFTMAX_LOW:  # sigmoid in the logits' dtype (LFM2-MoE)
+            value = value.to(LDT).to(tl.float32)
         choice = tl.where(cmask[None, :], value, ninf)
     if HAS_SEL_BIAS:  # chooses only
         choice = choice + tl.load(sel_bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -178,12 +180,12 @@ def _route_fwd_kernel(
 
 
 def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
-    """Whether PyTorch rounds the biased selection scores to 16 bits: the ranked values (the probabilities
-    where softmax_topk has softmax_fp32=False, the logits for topk_softmax without softmax_fp32 and for
-    topk_sigmoid) and the bias are both in the logits' 16-bit dtype."""
+    """Whether PyTorch rounds the biased selection scores to 16 bits: the ranked values (the probabilities or
+    sigmoid scores, or the logits for topk_softmax, where softmax_fp32=False; the logits for topk_sigmoid) and the
+    bias are both in the logits' 16-bit dtype."""
     if selection_bias is None or logits.dtype == torch.float32 or selection_bias.dtype != logits.dtype:
         return False
-    return routing == "topk_sigmoid" or (routing in ("softmax_topk", "topk_softmax") and not softmax_fp32)
+    return routing == "topk_sigmoid" or not softmax_fp32
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,

@@ -91,7 +91,7 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
     elif routing == "topk_softmax":
         scores = _upcast(logits) if softmax_fp32 else logits
     elif routing == "sigmoid_grouped_topk":
-        scores = _upcast(logits).sigmoid()
+        scores = (_upcast(logits) if softmax_fp32 else logits).sigmoid()
     elif routing == "topk_sigmoid":
         scores = logits
     else:

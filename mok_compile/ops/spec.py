@@ -49,8 +49,8 @@ class RoutingSpec:
         than the ``[E, H]`` router weight.
     router_fp32: logits are ``linear(x.float(), W.float())`` (DeepSeek-V3 keeps
         its router in fp32); otherwise they are computed in the input dtype.
-    softmax_fp32: softmax (A, B) / sigmoid (D) runs on fp32 logits; otherwise in
-        the logits' dtype (GPT-OSS does its softmax in bf16).
+    softmax_fp32: softmax (A, B) / sigmoid (C, D) runs on fp32 logits; otherwise in
+        the logits' dtype (GPT-OSS does its softmax in bf16, LFM2-MoE its sigmoid).
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).

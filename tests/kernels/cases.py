@@ -18,6 +18,9 @@ VARIANTS = {
     "deepseek_v3": (dict(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20,
                          routed_scale=2.5, n_group=4, topk_group=2), ExpertSpec(), False, False, True),
     "sigmoid_ungrouped": (dict(routing="sigmoid_grouped_topk", routed_scale=1.5), ExpertSpec(), False, False, False),
+    # LFM2-MoE: sigmoid in the router's dtype, a selection bias, renormalised (+1e-6), weights in the input dtype.
+    "lfm2": (dict(routing="sigmoid_grouped_topk", softmax_fp32=False, renormalize=True, renorm_eps=1e-6,
+                  weights_fp32=False), ExpertSpec(), False, False, True),
     # DeepSeek-V2's group-limited greedy: fp32 softmax, the best 2 of 4 groups by their largest probability, scaled.
     "deepseek_v2": (dict(router_fp32=True, routed_scale=2.5, n_group=4, topk_group=2, group_top=1), ExpertSpec(), False,
                     False, False),
@@ -68,6 +71,7 @@ INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("llama4", 19, 40, 24, 8, 1, torch.float16),
     ("llama4", 25, 48, 24, 16, 3, torch.float16),
     ("topk_sigmoid_renorm_bias", 23, 32, 16, 8, 3, torch.float16),
+    ("lfm2", 19, 40, 24, 8, 2, torch.float16),
 ]
 
 # The same through the CUTLASS engine (MOK_GEMM_ENGINE=cutlass; H and I multiples of 8): every

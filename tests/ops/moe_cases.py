@@ -81,6 +81,11 @@ ROUTING_CASES = [
     Case("sigmoid_4_groups_keep_2",
          _r(routing="sigmoid_grouped_topk", top_k=3, n_group=4, topk_group=2, routed_scale=1.5),
          selection_bias=True, num_experts=8),
+    # LFM2-MoE: the sigmoid in the router's 16-bit dtype, a selection bias of that dtype (the biased scores are
+    # rounded to it), renormalised.
+    Case("sigmoid_bf16_sigmoid_bias", _r(routing="sigmoid_grouped_topk", softmax_fp32=False, renormalize=True,
+                                         renorm_eps=1e-6, weights_fp32=False), selection_bias=True,
+         dtype=torch.bfloat16),
     Case("sigmoid_logits_groups", _r(routing="sigmoid_grouped_topk", router_is_logits=True, n_group=2, renormalize=True),
          selection_bias=True),
     # topk_sigmoid (Llama4's router): sigmoid of the k chosen logits.

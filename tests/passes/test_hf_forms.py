@@ -194,6 +194,29 @@ def test_deepseek_v2_block_fused(dtype, method):
             assert not torch.equal(block.gate(x.view(-1, 64))[2].sort(-1)[0], probs.topk(2)[1].sort(-1)[0])
 
 
+@pytest.mark.parametrize("expert_bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_lfm2_moe_block_fused(dtype, expert_bias):
+    """Lfm2MoeSparseMoeBlock: the sigmoid of the logits in the model's dtype (not fp32), an fp32 selection bias,
+    the gathered scores cast to the logits' dtype (a no-op) before the renormalisation (+1e-6); without the bias,
+    the top-k values are the weights."""
+    modeling = pytest.importorskip("transformers.models.lfm2_moe.modeling_lfm2_moe")
+    import transformers as tf
+
+    config = tf.Lfm2MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                              num_experts_per_tok=2, use_expert_bias=expert_bias, routed_scaling_factor=1.5)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(modeling.Lfm2MoeSparseMoeBlock(config)).to(dtype).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    r = report.blocks[0].routing
+    assert (r.routing, r.softmax_fp32, r.renormalize, r.renorm_eps, r.routed_scale) == (
+        "sigmoid_grouped_topk", dtype == torch.float32, True, 1e-6, 1.5)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renorm", "no_renorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_kolibri1_block_fused(dtype, norm_topk_prob):
