@@ -19,10 +19,11 @@ from mok_compile.ops import reference
 def compare(device, low):
     res = []
     # (T, E, K, routing, logits dtype, renorm_min): each routing family with a bias; 16-bit logits and bias (the
-    # biased scores are rounded as PyTorch rounds them); a clamp that holds some tokens' sums (softmax: the top-4 of
-    # 32 probabilities; sigmoid: 3 of 12) and one that holds none.
-    for T, E, K, kind, dtype, low_min in [(37, 32, 4, "softmax_topk", torch.float32, 0.45),
-                                          (40, 12, 3, "topk_sigmoid", low, 1.9),
+    # biased scores are rounded as PyTorch rounds them); a clamp between the drawn tokens' sums, so that it holds
+    # about half of them and no sum sits at it, where rounding decides the side (softmax; sigmoid), and one that holds
+    # none.
+    for T, E, K, kind, dtype, low_min in [(37, 32, 4, "softmax_topk", torch.float32, "median"),
+                                          (40, 12, 3, "topk_sigmoid", low, "median"),
                                           (21, 16, 2, "topk_softmax", low, 0.0),
                                           (19, 16, 4, "sigmoid_grouped_topk", torch.float32, 1e-12)]:
         g = generator(T * 13 + E)  # fresh inputs on the GPU (tests/conftest.py)
@@ -36,6 +37,17 @@ def compare(device, low):
                                                 topk_group=1)[0].sort(1, descending=True)[0]
             if not (ranked[:, K - 1] == ranked[:, K]).any():
                 break
+        scores = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
+                                            topk_group=1)[1]
+        r_ids = reference.route(logits, bias, x_dtype=torch.float32, weights_fp32=True, **kw)[1]
+        w0 = scores.float().gather(1, r_ids)
+        w0 = w0.sigmoid() if kind == "topk_sigmoid" else w0.softmax(-1) if kind == "topk_softmax" else w0
+        if low_min == "median":  # halfway across the widest gap between sums in the middle half: no sum near it
+            sums = w0.sum(-1).sort()[0]
+            lo, hi = T // 4, 3 * T // 4
+            k = lo + int((sums[lo + 1:hi + 1] - sums[lo:hi]).argmax())
+            low_min = float(sums[k] + sums[k + 1]) / 2
+        clamped = int((w0.sum(-1) < low_min).sum())
         disp = Dispatch.unsorted(E, K, T * K, device)
         w, ids, _, _ = routing.route(logits, bias, **kw, weights_dtype=torch.float32, dispatch=disp,
                                      renorm_min=low_min)
@@ -43,11 +55,6 @@ def compare(device, low):
                                      **kw)
         order, r_order = ids.sort(1)[1], r_ids.sort(1)[1]
         unbiased = reference.route(logits, None, x_dtype=torch.float32, weights_fp32=True, renorm_min=low_min, **kw)[1]
-        scores = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
-                                            topk_group=1)[1]
-        w0 = scores.float().gather(1, r_ids)
-        w0 = w0.sigmoid() if kind == "topk_sigmoid" else w0.softmax(-1) if kind == "topk_softmax" else w0
-        clamped = int((w0.sum(-1) < low_min).sum())
         # backward: d(logits) from d(topk_weights), against the reference's
         parts = torch.randn(2, T * K, generator=g).to(device)
         dl = routing.route_backward(logits, ids, disp.pair_pos, parts, None, routing=kind, renormalize=True,
