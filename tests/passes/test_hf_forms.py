@@ -69,6 +69,19 @@ def test_router_scores_output_replaced_by_op_weights():
     torch.testing.assert_close(scores, eager[1], **TOL[torch.float32])
 
 
+def _fused_block(block_cls, config, dtype):
+    """`block_cls(config)` with random weights in `dtype` (grouped_mm experts), captured on a [2, 5, 64] input and
+    fused: (block, x, gm, example_inputs, the fused block's RoutingSpec, eager output); exactly one block fused."""
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(block_cls(config)).to(dtype).eval()
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    (graph,), eager = capture(block, x)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    return block, x, gm, example, report.blocks[0].routing, eager
+
+
 def _model(family, dtype, **overrides):
     from transformers import AutoModelForCausalLM
 
@@ -150,13 +163,7 @@ def test_afmoe_block_fused_with_its_shared_experts_outside(dtype):
 
     config = tf.AfmoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                             num_shared_experts=1, route_scale=2.5)
-    config._experts_implementation = "grouped_mm"
-    block = init_moe_weights_(AfmoeSparseMoeBlock(config)).to(dtype).eval()
-    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
-    gm, example = graph
-    report = fuse_moe(gm, example)
-    assert [b.fused for b in report.blocks] == [True], str(report)
-    routing = report.blocks[0].routing
+    _, _, gm, example, routing, eager = _fused_block(AfmoeSparseMoeBlock, config, dtype)
     assert (routing.routing, routing.renormalize, routing.routed_scale) == ("sigmoid_grouped_topk", True, 2.5)
     shared = [n for n in gm.graph.nodes if "shared_experts" in n.name and n.op == "placeholder"]
     assert len(shared) == 3 and all(n.users for n in shared)
@@ -177,14 +184,7 @@ def test_deepseek_v2_block_fused(dtype, method):
                                  topk_group=1, routed_scaling_factor=2.5, num_attention_heads=4,
                                  kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                  v_head_dim=16)
-    config._experts_implementation = "grouped_mm"
-    block = init_moe_weights_(DeepseekV2Moe(config)).to(dtype).eval()
-    x = torch.randn(2, 5, 64, dtype=dtype)
-    (graph,), eager = capture(block, x)
-    gm, example = graph
-    report = fuse_moe(gm, example)
-    assert [b.fused for b in report.blocks] == [True], str(report)
-    routing = report.blocks[0].routing
+    block, x, gm, example, routing, eager = _fused_block(DeepseekV2Moe, config, dtype)
     assert (routing.routing, routing.routed_scale, routing.n_group, routing.group_top) == (
         "softmax_topk", 2.5, 4 if grouped else 1, 1 if grouped else 2)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
@@ -205,13 +205,7 @@ def test_lfm2_moe_block_fused(dtype, expert_bias):
 
     config = tf.Lfm2MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
                               num_experts_per_tok=2, use_expert_bias=expert_bias, routed_scaling_factor=1.5)
-    config._experts_implementation = "grouped_mm"
-    block = init_moe_weights_(modeling.Lfm2MoeSparseMoeBlock(config)).to(dtype).eval()
-    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
-    gm, example = graph
-    report = fuse_moe(gm, example)
-    assert [b.fused for b in report.blocks] == [True], str(report)
-    r = report.blocks[0].routing
+    _, x, gm, example, r, eager = _fused_block(modeling.Lfm2MoeSparseMoeBlock, config, dtype)
     assert (r.routing, r.softmax_fp32, r.renormalize, r.renorm_eps, r.routed_scale) == (
         "sigmoid_grouped_topk", dtype == torch.float32, True, 1e-6, 1.5)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
@@ -227,13 +221,7 @@ def test_kolibri1_block_fused(dtype, norm_topk_prob):
 
     config = tf.Kolibri1Config(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                shared_expert_intermediate_size=32, norm_topk_prob=norm_topk_prob)
-    config._experts_implementation = "grouped_mm"
-    block = init_moe_weights_(modeling.Kolibri1SparseMoeBlock(config)).to(dtype).eval()
-    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
-    gm, example = graph
-    report = fuse_moe(gm, example)
-    assert [b.fused for b in report.blocks] == [True], str(report)
-    routing = report.blocks[0].routing
+    _, x, gm, example, routing, eager = _fused_block(modeling.Kolibri1SparseMoeBlock, config, dtype)
     assert (routing.routing, routing.renormalize, routing.router_fp32) == ("topk_sigmoid", norm_topk_prob,
                                                                             dtype != torch.float32)
     assert sum(1 for n in gm.graph.nodes if "shared_experts" in n.name and n.op == "placeholder" and n.users) == 3
