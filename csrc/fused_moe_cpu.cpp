@@ -106,9 +106,10 @@ Tensor grouped_choice(const Tensor& choice, int64_t n_group, int64_t topk_group,
   return choice.masked_fill(score_mask.to(at::kBool).logical_not(), -INFINITY);
 }
 
-// clamp(sum(w), min=renorm_min) + renorm_eps, each step only where set (reference._renorm_denominator).
-Tensor renorm_denominator(const Tensor& w, const MoeOptions& o) {
-  Tensor denom = sum_last(w);
+// clamp(total, min=renorm_min) + renorm_eps for total = sum(w), each step only where set
+// (reference._renorm_denominator).
+Tensor renorm_denominator(const Tensor& total, const MoeOptions& o) {
+  Tensor denom = total;
   if (o.renorm_min != 0.0) denom = denom.clamp_min(o.renorm_min);
   if (o.renorm_eps != 0.0) denom = denom + o.renorm_eps;
   return denom;
@@ -147,7 +148,7 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   } else if (o.routing == "topk_sigmoid") {
     w = (o.softmax_fp32 ? upcast(top) : top).sigmoid();
   }
-  if (o.renormalize) w = w / renorm_denominator(w, o);
+  if (o.renormalize) w = w / renorm_denominator(sum_last(w), o);
   if (o.routed_scale != 1.0) w = w * o.routed_scale;
   w = w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype);
   return {w, ids};
@@ -170,9 +171,10 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
   }
   Tensor d = grad_w * o.routed_scale;
   if (o.renormalize) {  // the sum's gradient stops where the clamp holds it at renorm_min
-    Tensor denom = renorm_denominator(w0, o);
+    Tensor total = sum_last(w0);
+    Tensor denom = renorm_denominator(total, o);
     Tensor w1 = w0 / denom;
-    d = (d - sum_last(w0).ge(o.renorm_min) * sum_last(d * w1)) / denom;
+    d = (d - total.ge(o.renorm_min) * sum_last(d * w1)) / denom;
   }
   if (o.routing == "softmax_topk") {
     Tensor dp = at::zeros_like(l).scatter_(1, ids, d);

@@ -48,9 +48,10 @@ def router_logits(x, router, router_bias, *, router_is_logits, router_fp32):
 _logits_of = router_logits  # for the backward, whose `router_logits` argument (a kernel's saved logits) hides the name
 
 
-def _renorm_denominator(w, *, renorm_eps, renorm_min):
-    """clamp(sum(w), min=renorm_min) + renorm_eps, with each step only where set (as HF writes it)."""
-    denom = w.sum(dim=-1, keepdim=True)
+def _renorm_denominator(total, *, renorm_eps, renorm_min):
+    """clamp(total, min=renorm_min) + renorm_eps for `total` = sum(w, -1, keepdim), with each step only where set
+    (as HF writes it)."""
+    denom = total
     if renorm_min:
         denom = denom.clamp(min=renorm_min)
     if renorm_eps:
@@ -60,7 +61,7 @@ def _renorm_denominator(w, *, renorm_eps, renorm_min):
 
 def _renorm_and_scale(w, *, renormalize, renorm_eps, renorm_min, routed_scale):
     if renormalize:
-        w = w / _renorm_denominator(w, renorm_eps=renorm_eps, renorm_min=renorm_min)
+        w = w / _renorm_denominator(w.sum(dim=-1, keepdim=True), renorm_eps=renorm_eps, renorm_min=renorm_min)
     if routed_scale != 1.0:
         w = w * routed_scale
     return w
@@ -291,10 +292,10 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
     d = grad_w * routed_scale
     if renormalize:
         # The sum's gradient stops where the clamp holds it at renorm_min (torch.clamp passes it at equality).
-        denom = _renorm_denominator(w0, renorm_eps=renorm_eps, renorm_min=renorm_min)
+        total = w0.sum(dim=-1, keepdim=True)
+        denom = _renorm_denominator(total, renorm_eps=renorm_eps, renorm_min=renorm_min)
         w1 = w0 / denom
-        through = w0.sum(dim=-1, keepdim=True) >= renorm_min
-        d = (d - through * (d * w1).sum(dim=-1, keepdim=True)) / denom
+        d = (d - (total >= renorm_min) * (d * w1).sum(dim=-1, keepdim=True)) / denom
     if routing == "softmax_topk":
         dp = torch.zeros_like(l).scatter_(1, topk_ids, d)
         return base * (dp - (base * dp).sum(dim=-1, keepdim=True))
