@@ -33,12 +33,11 @@ def compare(device, low):
             logits = (torch.randn(T, E, generator=g) * 2).to(dtype).to(device)
             bias = torch.randn(E, generator=g) * (0.05 if kind in ("softmax_topk", "sigmoid_grouped_topk") else 1.0)
             bias = bias.to(dtype).to(device)
-            ranked = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
-                                                topk_group=1)[0].sort(1, descending=True)[0]
+            choice, scores = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
+                                                        topk_group=1)
+            ranked = choice.sort(1, descending=True)[0]
             if not (ranked[:, K - 1] == ranked[:, K]).any():
                 break
-        scores = reference.selection_scores(logits, bias, routing=kind, softmax_fp32=True, n_group=1,
-                                            topk_group=1)[1]
         r_ids = reference.route(logits, bias, x_dtype=torch.float32, weights_fp32=True, **kw)[1]
         w0 = scores.float().gather(1, r_ids)
         w0 = w0.sigmoid() if kind == "topk_sigmoid" else w0.softmax(-1) if kind == "topk_softmax" else w0
