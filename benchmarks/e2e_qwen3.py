@@ -1,6 +1,7 @@
 """End to end: a 4-layer Qwen3-MoE at the 30B-A3B layer sizes, backend="mok" vs backend="inductor".
 
-    python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2]
+    python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2] [--ddp]
+    torchrun --nproc-per-node 2 -m benchmarks.e2e_qwen3 --out DIR --ddp     # DDP over two GPUs
 
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
 Measures one training step (forward + loss + backward, no optimizer) and one prefill forward
@@ -8,6 +9,9 @@ Measures one training step (forward + loss + backward, no optimizer) and one pre
 --profile adds, per backend, the GPU time of one training step inside the `mok::` ops (torch.profiler)
 and the rest, and from them the best training speedup any MoE kernel could give: inductor's step over
 (mok's step without its MoE time + every layer's MoE at the fwd+bwd floor, `moe_layer`'s definition).
+--ddp wraps the model in DistributedDataParallel (NCCL; one rank unless started by torchrun) and times
+inductor and mok under Dynamo's default DDP graph cutting (which cuts the MoE blocks: mok fuses nothing) and mok
+with `optimize_ddp=False` (mok fuses every block, then cuts the graph into DDP's buckets, `mok_compile.ddp`).
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -98,19 +102,39 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="split the training step into MoE and the rest")
+    ap.add_argument("--ddp", action="store_true", help="the model in DistributedDataParallel (see the docstring)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     from mok_compile.backend import mok_backend
     from torch._dynamo.utils import counters
 
-    model = build_model(args.layers, args.seq)
-    ids = torch.randint(0, 151936, (args.batch, args.seq), device="cuda")
+    rank = 0
+    variants = [("inductor", "inductor", None), ("mok", mok_backend, None)]
+    if args.ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"),
+                           ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(key, value)
+        rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)  # build_model's "cuda" is this rank's GPU
+        dist.init_process_group("nccl")
+        model = DDP(build_model(args.layers, args.seq), device_ids=[local])
+        variants = [("inductor (DDP)", "inductor", True), ("mok (DDP, Dynamo cuts)", mok_backend, True),
+                    ("mok (DDP, optimize_ddp=False)", mok_backend, False)]
+    else:
+        model = build_model(args.layers, args.seq)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    ids = torch.randint(0, 151936, (args.batch, args.seq), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(rank))
     tokens = args.batch * args.seq
     results, tails = {}, {}
-    for name, backend in (("inductor", "inductor"), ("mok", mok_backend)):
+    for name, backend, optimize_ddp in variants:
         torch._dynamo.reset()
         counters.clear()
         compiled = torch.compile(model, backend=backend)
+        patch = {} if optimize_ddp is None else {"optimize_ddp": optimize_ddp}
 
         def train_step():
             model.zero_grad(set_to_none=True)
@@ -120,33 +144,39 @@ def main():
             with torch.no_grad():
                 return compiled(input_ids=ids)
 
-        t0 = time.time()
-        train_step()
-        tails[name] = prefill().logits[:, -8:].float()  # same weights and input: the two backends must agree
-        torch.cuda.synchronize()
-        compile_s = time.time() - t0
-        t_train = triton.testing.do_bench(train_step, warmup=3, rep=30, return_mode="median")
-        t_fwd = triton.testing.do_bench(prefill, warmup=3, rep=30, return_mode="median")
+        with torch._dynamo.config.patch(**patch):
+            t0 = time.time()
+            train_step()
+            tails[name] = prefill().logits[:, -8:].float()  # same weights and input: the backends must agree
+            torch.cuda.synchronize()
+            compile_s = time.time() - t0
+            t_train = triton.testing.do_bench(train_step, warmup=3, rep=30, return_mode="median")
+            t_fwd = triton.testing.do_bench(prefill, warmup=3, rep=30, return_mode="median")
         results[name] = {"train_ms": t_train, "prefill_ms": t_fwd, "train_tok_s": tokens / t_train * 1e3,
                          "prefill_tok_s": tokens / t_fwd * 1e3, "compile_s": compile_s,
                          "mok_counters": dict(counters["mok"])}
         if args.profile:
             results[name].update(step_split(train_step))
-        print(name, results[name], flush=True)
-    a, b = tails["inductor"], tails["mok"]
-    results["logits_rel_err_mok_vs_inductor"] = ((a - b).norm() / a.norm()).item()
+        say(name, results[name], flush=True)
+    base, *others = [name for name, _, _ in variants]
     r = results
-    print("| backend | train step ms | train tok/s | prefill ms | prefill tok/s |\n|---|---|---|---|---|")
-    for name in ("inductor", "mok"):
-        print(f"| {name} | {r[name]['train_ms']:.1f} | {r[name]['train_tok_s']:.0f} | {r[name]['prefill_ms']:.1f} "
-              f"| {r[name]['prefill_tok_s']:.0f} |")
-    print(f"mok / inductor: train {r['mok']['train_tok_s'] / r['inductor']['train_tok_s']:.2f}x, prefill "
-          f"{r['mok']['prefill_tok_s'] / r['inductor']['prefill_tok_s']:.2f}x; logits rel err "
-          f"{r['logits_rel_err_mok_vs_inductor']:.1e}")
-    if args.profile:
+    say("| backend | train step ms | train tok/s | prefill ms | prefill tok/s |\n|---|---|---|---|---|")
+    for name in (base, *others):
+        say(f"| {name} | {r[name]['train_ms']:.1f} | {r[name]['train_tok_s']:.0f} | {r[name]['prefill_ms']:.1f} "
+            f"| {r[name]['prefill_tok_s']:.0f} |")
+    for name in others:
+        a, b = tails[base], tails[name]
+        r[name]["logits_rel_err_vs_" + base.split()[0]] = err = ((a - b).norm() / a.norm()).item()
+        say(f"{name} / {base}: train {r[name]['train_tok_s'] / r[base]['train_tok_s']:.2f}x, prefill "
+            f"{r[name]['prefill_tok_s'] / r[base]['prefill_tok_s']:.2f}x; logits rel err {err:.1e}; "
+            f"{r[name]['mok_counters']}")
+    if args.profile and not args.ddp:
         print_bound(results, args.layers, tokens)
-    with open(os.path.join(args.out, "e2e_qwen3.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    if rank == 0:
+        with open(os.path.join(args.out, "e2e_qwen3_ddp.json" if args.ddp else "e2e_qwen3.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if args.ddp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

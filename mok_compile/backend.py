@@ -21,8 +21,9 @@ import logging
 from typing import Callable, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 
-from . import diagnostics
+from . import ddp, diagnostics
 from .config import BackendOptions, parse_options
 
 log = logging.getLogger("mok_compile.backend")
@@ -33,7 +34,16 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: 
                 mode: str | None = None) -> Callable:
     """Dynamo backend: rewrite every provable MoE block of `gm`, then compile with the inner compiler."""
     opts = parse_options(options, mode)
-    fuse_graph(gm, example_inputs, opts)
+    report = fuse_graph(gm, example_inputs, opts)
+    if ddp.dynamo_cuts_graphs():
+        diagnostics.warn_ddp_cuts(_graph_name(gm), ddp.cut_blocks(gm, report))
+    bucket_cap = ddp.bucket_cap_to_apply() if opts.ddp_buckets else None
+    if bucket_cap is not None and _has_fused_moe(gm):
+        compiled, pieces = ddp.compile_in_buckets(gm, example_inputs, bucket_cap,
+                                                  lambda piece, inputs: compile_inner(piece, inputs, opts))
+        counters["mok"]["ddp_pieces"] += pieces
+        log.info("mok: graph %s cut into %d piece(s) at DDP's %d-byte buckets", _graph_name(gm), pieces, bucket_cap)
+        return compiled
     return compile_inner(gm, example_inputs, opts)
 
 

@@ -29,6 +29,9 @@ class BackendOptions:
         pass, instead of compiling the untouched graph).
     inductor_config: inductor config patches (``torch._inductor.config`` names),
         what ``options`` would hold for ``backend="inductor"``.
+    ddp_buckets: under DistributedDataParallel with ``torch._dynamo.config.optimize_ddp = False``, cut a
+        graph with fused blocks at DDP's bucket boundaries after fusing, so all-reduce overlaps the backward
+        (`mok_compile.ddp`). False: hand it on whole.
     mode: the ``torch.compile`` mode, applied to inductor as it would be for
         ``backend="inductor"``.
     """
@@ -37,12 +40,13 @@ class BackendOptions:
     validate: bool = True
     strict: bool = False
     inductor_config: dict = field(default_factory=dict)
+    ddp_buckets: bool = True
     mode: str | None = None
 
     def __post_init__(self):
         if self.compiler not in COMPILERS:
             raise ValueError(f"mok backend: option 'compiler'={self.compiler!r} is not one of {COMPILERS}")
-        for name in ("validate", "strict"):
+        for name in ("validate", "strict", "ddp_buckets"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"mok backend: option {name!r} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.inductor_config, dict):

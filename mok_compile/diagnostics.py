@@ -55,7 +55,7 @@ def configure_logging(level: str | int | None = None) -> None:
     logger.setLevel(level)
 
 
-_warned = {"eager_fragment": False}
+_warned = {"eager_fragment": False, "ddp_cut": False}
 
 
 def warn_eager_fragments(report) -> None:
@@ -75,6 +75,25 @@ def warn_eager_fragments(report) -> None:
     warnings.warn(
         f"mok: MoE block {b.name} uses transformers' experts_implementation='eager' ({b.reason}); "
         f"it is compiled unfused. Fix: {EAGER_FRAGMENT_FIX}. (Warned once; MOK_LOG_LEVEL=INFO lists every block.)",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def warn_ddp_cuts(graph: str, cut: list[str]) -> None:
+    """Warn once per process when Dynamo's DDP graph cutting left MoE blocks in pieces (`mok_compile.ddp`)."""
+    from .ddp import FIX
+
+    if not cut:
+        return
+    log.info("mok: DDP-cut graph %s holds pieces of MoE blocks: %s", graph, "; ".join(cut))
+    if _warned["ddp_cut"]:
+        return
+    _warned["ddp_cut"] = True
+    warnings.warn(
+        f"mok: under DistributedDataParallel, Dynamo cut graph {graph} at DDP's bucket boundaries and MoE blocks "
+        f"were cut with it ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. Fix: {FIX}. "
+        "(Warned once; MOK_LOG_LEVEL=INFO lists every piece.)",
         UserWarning,
         stacklevel=2,
     )

@@ -23,6 +23,7 @@ def test_unknown_option_lists_valid_ones():
     ({"compiler": "tensorrt"}, "'compiler'='tensorrt' is not one of"),
     ({"validate": "yes"}, "'validate' must be a bool"),
     ({"strict": 1}, "'strict' must be a bool"),
+    ({"ddp_buckets": "off"}, "'ddp_buckets' must be a bool"),
     ({"inductor_config": ["max_autotune"]}, "'inductor_config' must be a dict"),
     ({"compiler": "aot_eager", "inductor_config": {"max_autotune": True}}, "only apply to compiler='inductor'"),
 ])

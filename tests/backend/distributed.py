@@ -1,0 +1,89 @@
+"""Process groups and per-rank steps for the DistributedDataParallel / FSDP tests.
+
+A test in this process joins a one-rank group (`process_group`); a test of several ranks spawns one process
+per rank (`spawn`), which runs `ddp_rank_step` there. gloo on the CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mok_compile.demo import make_causal_lm
+from mok_compile.hf_blocks import BlockSizes
+
+from .helpers import NUM_LAYERS, assert_close_rel, token_ids
+
+# Expert weights of 2.1 MB (gate_up) and 1 MB (down) in fp32: larger than a 1 MB DDP bucket, so DDP's cutting
+# falls inside the blocks. (Dynamo's own cutting needs buckets of at least 1 MiB, its first bucket's size.)
+SIZES = BlockSizes(hidden=128, intermediate=256, experts=8, top_k=2)
+BUCKET_MB = 1.0
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process_group(rank: int = 0, world: int = 1, port: int | None = None, device: str = "cpu"):
+    """This process as `rank` of a `world`-rank group (gloo on the CPU, NCCL on CUDA), destroyed on exit."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port or free_port())
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def model(dtype=torch.float32, device="cpu", sizes=SIZES):
+    """A two-layer Qwen3-MoE CausalLM with the same random weights on every call."""
+    return make_causal_lm("qwen3_moe", sizes, num_layers=NUM_LAYERS, dtype=dtype, device=device).train()
+
+
+def train_step(module, ids):
+    """(loss, {name: gradient}) of one training step of `module` (DDP or not) on `ids`."""
+    out = module(input_ids=ids, labels=ids)
+    out.loss.backward()
+    inner = getattr(module, "_orig_mod", module)  # under torch.compile
+    inner = inner.module if isinstance(inner, DDP) else inner
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(got, want, dtype, what=""):
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    assert_close_rel(got_loss, want_loss, TOL[dtype], f"{what} loss")
+    assert got_grads.keys() == want_grads.keys(), f"{what}: gradients reached other parameters"
+    for name, want_grad in want_grads.items():
+        assert_close_rel(got_grads[name], want_grad, TOL[dtype], f"{what} grad of {name}")
+
+
+def ddp_rank_step(rank: int, world: int, port: int, device: str, dtype, compiler: str):
+    """One rank: a training step of DDP under backend="mok" (optimize_ddp=False, 1 MB buckets) against eager DDP,
+    each rank on its own tokens, so the gradients compared are the all-reduced ones."""
+    from torch._dynamo.utils import counters
+
+    with torch._dynamo.config.patch(optimize_ddp=False), process_group(rank, world, port, device):
+        ids = token_ids(seed=1 + rank).to(device)
+        want = train_step(DDP(model(dtype, device), bucket_cap_mb=BUCKET_MB), ids)
+        compiled = torch.compile(DDP(model(dtype, device), bucket_cap_mb=BUCKET_MB), backend="mok",
+                                 options={"compiler": compiler})
+        got = train_step(compiled, ids)
+        assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+        assert counters["mok"]["ddp_pieces"] > 1, dict(counters["mok"])
+        assert_same_step(got, want, dtype, f"rank {rank}")
+
+
+def spawn(fn, world: int, *args):
+    """Run `fn(rank, world, port, *args)` in `world` fresh processes; a failing rank fails the call."""
+    torch.multiprocessing.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)

@@ -1,0 +1,136 @@
+"""`backend="mok"` under DistributedDataParallel and FSDP2 (`mok_compile.ddp`).
+
+Dynamo's default DDP cutting (optimize_ddp="ddp_optimizer") cuts graphs at 1 MB buckets here, inside the MoE
+blocks: nothing fuses, and the backend warns with the fix. With optimize_ddp=False the backend fuses every block
+and cuts the fused graph into DDP's buckets itself. Loss and gradients are compared with eager DDP (the same
+weights, every rank on its own tokens), fp32 within 1e-5 of the largest value.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mok_compile import diagnostics
+from mok_compile.hf_blocks import BlockSizes
+
+from .distributed import BUCKET_MB, SIZES, assert_same_step, ddp_rank_step, model, process_group, spawn, train_step
+from .helpers import NUM_LAYERS, token_ids
+
+AOT = {"compiler": "aot_eager"}
+
+
+@pytest.fixture
+def one_rank():
+    with process_group():
+        yield
+
+
+@pytest.fixture
+def no_dynamo_cutting():
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        yield
+
+
+@pytest.fixture
+def warn_again(monkeypatch):
+    monkeypatch.setitem(diagnostics._warned, "ddp_cut", False)
+
+
+def _compiled_step(bucket_mb=BUCKET_MB, options=AOT, sizes=SIZES):
+    """(eager DDP step, backend="mok" DDP step, warnings raised while compiling) on one rank."""
+    ids = token_ids()
+    want = train_step(DDP(model(sizes=sizes), bucket_cap_mb=bucket_mb), ids)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = train_step(torch.compile(DDP(model(sizes=sizes), bucket_cap_mb=bucket_mb), backend="mok",
+                                       options=options), ids)
+    return want, got, [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+
+
+def test_whole_graph_fused_then_cut_into_buckets(one_rank, no_dynamo_cutting):
+    want, got, warned = _compiled_step()
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert counters["mok"]["ddp_pieces"] >= 3, dict(counters["mok"])  # both blocks' experts exceed a bucket
+    assert not warned
+    assert_same_step(got, want, torch.float32)
+
+
+def test_ddp_buckets_off_keeps_the_graph_whole(one_rank, no_dynamo_cutting):
+    want, got, _ = _compiled_step(options={**AOT, "ddp_buckets": False})
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert counters["mok"]["ddp_pieces"] == 0, dict(counters["mok"])
+    assert_same_step(got, want, torch.float32)
+
+
+def test_graph_without_moe_is_not_cut(one_rank, no_dynamo_cutting):
+    """optimize_ddp=False asks for whole graphs: only a graph the backend fused is cut (into DDP's buckets)."""
+    dense = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])  # 1 MB each: four buckets
+    x = torch.randn(8, 512)
+    torch.compile(DDP(dense, bucket_cap_mb=BUCKET_MB), backend="mok", options=AOT)(x).sum().backward()
+    assert counters["mok"]["ddp_pieces"] == 0, dict(counters["mok"])
+
+
+def test_dynamo_cutting_blocks_warns_with_the_fix(one_rank, warn_again):
+    """Dynamo's own DDP cutting (the default) splits each block: compiled unfused, still right, and one warning."""
+    want, got, warned = _compiled_step()
+    assert counters["mok"]["fused_moe"] < NUM_LAYERS, dict(counters["mok"])
+    assert len(warned) == 1, warned
+    assert "optimize_ddp = False" in warned[0] and "unfused" in warned[0], warned[0]
+    assert_same_step(got, want, torch.float32)
+
+
+def test_blocks_within_one_bucket_fuse_without_warning(one_rank, warn_again):
+    """A model smaller than DDP's first bucket (1 MiB; with larger experts even 100 MB buckets leave the last
+    block cut at that first bucket's end): Dynamo does not cut, every block fuses, nothing to warn about."""
+    want, got, warned = _compiled_step(bucket_mb=100.0, sizes=BlockSizes())
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert not warned
+    assert_same_step(got, want, torch.float32)
+
+
+def test_two_ranks_gradients_all_reduced():
+    """Two gloo ranks, each on its own tokens: backend="mok" in DDP buckets gives eager DDP's averaged gradients."""
+    spawn(ddp_rank_step, 2, "cpu", torch.float32, "aot_eager")
+
+
+@pytest.mark.parametrize("compiled", ["per_layer", "whole_model"])
+def test_fsdp2(one_rank, compiled):
+    """FSDP2 (`fully_shard` per decoder layer and on the model), each layer compiled or the whole model (Dynamo
+    breaks the graph at FSDP's hooks): the compiled code sees whole parameters, every block fuses, and the step
+    matches eager FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(compile_it):
+        m = model()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh)
+            if compile_it and compiled == "per_layer":
+                layer.compile(backend="mok", options=AOT)
+        m = fully_shard(m, mesh=mesh)
+        return torch.compile(m, backend="mok", options=AOT) if compile_it and compiled == "whole_model" else m
+
+    def step(m):
+        loss, grads = train_step(m, token_ids())
+        return loss, {n: g.full_tensor() for n, g in grads.items()}
+
+    want = step(sharded(False))
+    got = step(sharded(True))
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert_same_step(got, want, torch.float32)
+
+
+@pytest.mark.gpu
+def test_ddp_one_gpu_inductor_bf16():
+    """One NCCL rank on the GPU, bf16, inductor: fused in DDP's buckets, the step as eager DDP's."""
+    ddp_rank_step(0, 1, None, "cuda", torch.bfloat16, "inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ddp_two_gpus_inductor_bf16():
+    spawn(ddp_rank_step, 2, "cuda", torch.bfloat16, "inductor")
