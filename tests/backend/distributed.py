@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mok_compile.backend import mok_backend
 from mok_compile.demo import make_causal_lm
 from mok_compile.hf_blocks import BlockSizes
 
@@ -23,7 +24,9 @@ from .helpers import NUM_LAYERS, assert_close_rel, token_ids
 # falls inside the blocks. (Dynamo's own cutting needs buckets of at least 1 MiB, its first bucket's size.)
 SIZES = BlockSizes(hidden=128, intermediate=256, experts=8, top_k=2)
 BUCKET_MB = 1.0
-TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# Relative to the largest value. fp32 on the CPU differs from eager in summation order only; on the GPU inductor
+# also fuses and reorders the rest of the model.
+TOL = {"cpu": 1e-5, "cuda": 1e-4}
 
 
 def free_port() -> int:
@@ -60,28 +63,29 @@ def train_step(module, ids):
     return out.loss.detach(), {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.grad is not None}
 
 
-def assert_same_step(got, want, dtype, what=""):
+def assert_same_step(got, want, tol=TOL["cpu"], what=""):
     (got_loss, got_grads), (want_loss, want_grads) = got, want
-    assert_close_rel(got_loss, want_loss, TOL[dtype], f"{what} loss")
+    assert_close_rel(got_loss, want_loss, tol, f"{what} loss")
     assert got_grads.keys() == want_grads.keys(), f"{what}: gradients reached other parameters"
     for name, want_grad in want_grads.items():
-        assert_close_rel(got_grads[name], want_grad, TOL[dtype], f"{what} grad of {name}")
+        assert_close_rel(got_grads[name], want_grad, tol, f"{what} grad of {name}")
 
 
-def ddp_rank_step(rank: int, world: int, port: int, device: str, dtype, compiler: str):
+def ddp_rank_step(rank: int, world: int, port: int, device: str, compiler: str):
     """One rank: a training step of DDP under backend="mok" (optimize_ddp=False, 1 MB buckets) against eager DDP,
     each rank on its own tokens, so the gradients compared are the all-reduced ones."""
     from torch._dynamo.utils import counters
 
     with torch._dynamo.config.patch(optimize_ddp=False), process_group(rank, world, port, device):
         ids = token_ids(seed=1 + rank).to(device)
-        want = train_step(DDP(model(dtype, device), bucket_cap_mb=BUCKET_MB), ids)
-        compiled = torch.compile(DDP(model(dtype, device), bucket_cap_mb=BUCKET_MB), backend="mok",
+        want = train_step(DDP(model(device=device), bucket_cap_mb=BUCKET_MB), ids)
+        # The backend as a callable: the GPU machine runs a checkout without the installed entry point.
+        compiled = torch.compile(DDP(model(device=device), bucket_cap_mb=BUCKET_MB), backend=mok_backend,
                                  options={"compiler": compiler})
         got = train_step(compiled, ids)
         assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
         assert counters["mok"]["ddp_pieces"] > 1, dict(counters["mok"])
-        assert_same_step(got, want, dtype, f"rank {rank}")
+        assert_same_step(got, want, TOL[device], f"rank {rank}")
 
 
 def spawn(fn, world: int, *args):

@@ -55,14 +55,14 @@ def test_whole_graph_fused_then_cut_into_buckets(one_rank, no_dynamo_cutting):
     assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
     assert counters["mok"]["ddp_pieces"] >= 3, dict(counters["mok"])  # both blocks' experts exceed a bucket
     assert not warned
-    assert_same_step(got, want, torch.float32)
+    assert_same_step(got, want)
 
 
 def test_ddp_buckets_off_keeps_the_graph_whole(one_rank, no_dynamo_cutting):
     want, got, _ = _compiled_step(options={**AOT, "ddp_buckets": False})
     assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
     assert counters["mok"]["ddp_pieces"] == 0, dict(counters["mok"])
-    assert_same_step(got, want, torch.float32)
+    assert_same_step(got, want)
 
 
 def test_graph_without_moe_is_not_cut(one_rank, no_dynamo_cutting):
@@ -79,7 +79,7 @@ def test_dynamo_cutting_blocks_warns_with_the_fix(one_rank, warn_again):
     assert counters["mok"]["fused_moe"] < NUM_LAYERS, dict(counters["mok"])
     assert len(warned) == 1, warned
     assert "optimize_ddp = False" in warned[0] and "unfused" in warned[0], warned[0]
-    assert_same_step(got, want, torch.float32)
+    assert_same_step(got, want)
 
 
 def test_blocks_within_one_bucket_fuse_without_warning(one_rank, warn_again):
@@ -88,12 +88,12 @@ def test_blocks_within_one_bucket_fuse_without_warning(one_rank, warn_again):
     want, got, warned = _compiled_step(bucket_mb=100.0, sizes=BlockSizes())
     assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
     assert not warned
-    assert_same_step(got, want, torch.float32)
+    assert_same_step(got, want)
 
 
 def test_two_ranks_gradients_all_reduced():
     """Two gloo ranks, each on its own tokens: backend="mok" in DDP buckets gives eager DDP's averaged gradients."""
-    spawn(ddp_rank_step, 2, "cpu", torch.float32, "aot_eager")
+    spawn(ddp_rank_step, 2, "cpu", "aot_eager")
 
 
 @pytest.mark.parametrize("compiled", ["per_layer", "whole_model"])
@@ -121,16 +121,17 @@ def test_fsdp2(one_rank, compiled):
     want = step(sharded(False))
     got = step(sharded(True))
     assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
-    assert_same_step(got, want, torch.float32)
+    assert_same_step(got, want)
 
 
 @pytest.mark.gpu
-def test_ddp_one_gpu_inductor_bf16():
-    """One NCCL rank on the GPU, bf16, inductor: fused in DDP's buckets, the step as eager DDP's."""
-    ddp_rank_step(0, 1, None, "cuda", torch.bfloat16, "inductor")
+def test_ddp_one_gpu_inductor():
+    """One NCCL rank on the GPU, inductor, the GPU kernels in fp32: fused in DDP's buckets, the step as eager DDP's
+    within 1e-4 (the kernels' bf16 numerics are tested in tests/kernels)."""
+    ddp_rank_step(0, 1, None, "cuda", "inductor")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_ddp_two_gpus_inductor_bf16():
-    spawn(ddp_rank_step, 2, "cuda", torch.bfloat16, "inductor")
+def test_ddp_two_gpus_inductor():
+    spawn(ddp_rank_step, 2, "cuda", "inductor")
