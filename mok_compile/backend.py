@@ -36,7 +36,7 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: 
     opts = parse_options(options, mode)
     report = fuse_graph(gm, example_inputs, opts)
     if ddp.dynamo_cuts_graphs():
-        diagnostics.warn_ddp_cuts(_graph_name(gm), ddp.cut_blocks(gm, report))
+        diagnostics.warn_ddp_cuts(ddp.cut_blocks(gm, report))
     bucket_cap = ddp.bucket_cap_to_apply() if opts.ddp_buckets else None
     if bucket_cap is not None and _has_fused_moe(gm):
         compiled, pieces = ddp.compile_in_buckets(gm, example_inputs, bucket_cap,

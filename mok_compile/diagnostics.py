@@ -80,19 +80,19 @@ def warn_eager_fragments(report) -> None:
     )
 
 
-def warn_ddp_cuts(graph: str, cut: list[str]) -> None:
+def warn_ddp_cuts(cut: list[str]) -> None:
     """Warn once per process when Dynamo's DDP graph cutting left MoE blocks in pieces (`mok_compile.ddp`)."""
     from .ddp import FIX
 
     if not cut:
         return
-    log.info("mok: DDP-cut graph %s holds pieces of MoE blocks: %s", graph, "; ".join(cut))
+    log.info("mok: a piece of Dynamo's DDP cutting holds parts of MoE blocks: %s", "; ".join(cut))
     if _warned["ddp_cut"]:
         return
     _warned["ddp_cut"] = True
     warnings.warn(
-        f"mok: under DistributedDataParallel, Dynamo cut graph {graph} at DDP's bucket boundaries and MoE blocks "
-        f"were cut with it ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. Fix: {FIX}. "
+        f"mok: under DistributedDataParallel, Dynamo cut the graph at DDP's bucket boundaries, and MoE blocks "
+        f"with it ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. Fix: {FIX}. "
         "(Warned once; MOK_LOG_LEVEL=INFO lists every piece.)",
         UserWarning,
         stacklevel=2,
