@@ -11,7 +11,8 @@ and the rest, and from them the best training speedup any MoE kernel could give:
 (mok's step without its MoE time + every layer's MoE at the fwd+bwd floor, `moe_layer`'s definition).
 --ddp wraps the model in DistributedDataParallel (NCCL; one rank unless started by torchrun) and times
 inductor and mok under Dynamo's default DDP graph cutting (which cuts the MoE blocks: mok fuses nothing) and mok
-with `optimize_ddp=False` (mok fuses every block, then cuts the graph into DDP's buckets, `mok_compile.ddp`).
+with `optimize_ddp=False` (mok fuses every block, then cuts the graph into DDP's buckets, `mok_compile.ddp`), and
+that without the cutting (`ddp_buckets=False`: all-reduce starts after the whole backward).
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -19,6 +20,7 @@ checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -121,8 +123,10 @@ def main():
         torch.cuda.set_device(local)  # build_model's "cuda" is this rank's GPU
         dist.init_process_group("nccl")
         model = DDP(build_model(args.layers, args.seq), device_ids=[local])
+        whole = functools.partial(mok_backend, options={"ddp_buckets": False})
         variants = [("inductor (DDP)", "inductor", True), ("mok (DDP, Dynamo cuts)", mok_backend, True),
-                    ("mok (DDP, optimize_ddp=False)", mok_backend, False)]
+                    ("mok (DDP, optimize_ddp=False)", mok_backend, False),
+                    ("mok (DDP, optimize_ddp=False, uncut)", whole, False)]
     else:
         model = build_model(args.layers, args.seq)
     say = print if rank == 0 else (lambda *a, **k: None)
