@@ -35,7 +35,7 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: 
     """Dynamo backend: rewrite every provable MoE block of `gm`, then compile with the inner compiler."""
     opts = parse_options(options, mode)
     report = fuse_graph(gm, example_inputs, opts)
-    if ddp.dynamo_cuts_graphs():
+    if ddp.cut_by_dynamo(gm):
         diagnostics.warn_ddp_cuts(ddp.cut_blocks(gm, report))
     bucket_cap = ddp.bucket_cap_to_apply() if opts.ddp_buckets else None
     if bucket_cap is not None and _has_fused_moe(gm):

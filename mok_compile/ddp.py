@@ -10,8 +10,8 @@ the *fused* graph at DDP's bucket boundaries itself, with torch's own `DDPOptimi
 in one piece (it is one node), and the overlap comes back. Graphs where nothing was fused are left to the inner
 compiler uncut, as `optimize_ddp = False` asks. ``options={"ddp_buckets": False}`` keeps fused graphs uncut too.
 
-Under Dynamo's own cutting, the backend warns once when a piece holds expert GEMMs or a block it could not
-finish (`cut_blocks`), naming the one-line fix.
+Under Dynamo's own cutting, the backend warns once when a cut piece holds expert GEMMs or a block it could
+not finish (`cut_by_dynamo`, `cut_blocks`), naming the one-line fix.
 """
 
 from __future__ import annotations
@@ -39,9 +39,13 @@ def _mode() -> str:
     return get_optimize_ddp_mode()
 
 
-def dynamo_cuts_graphs() -> bool:
-    """Whether this graph is one of the pieces Dynamo cut for DDP (the backend then never sees the whole)."""
-    return active_module() is not None and _mode() == "ddp_optimizer"
+def cut_by_dynamo(gm: torch.fx.GraphModule) -> bool:
+    """Whether `gm` is a piece, past the first, of a graph Dynamo cut for DDP: DDP's forward is being compiled
+    under "ddp_optimizer", and some of `gm`'s inputs are another piece's outputs (placeholders without Dynamo's
+    `_dynamo_source`). A graph that fit one bucket reaches the backend whole, with every input sourced."""
+    if active_module() is None or _mode() != "ddp_optimizer":
+        return False
+    return any(n.op == "placeholder" and getattr(n, "_dynamo_source", None) is None for n in gm.graph.nodes)
 
 
 def bucket_cap_to_apply() -> int | None:

@@ -92,6 +92,20 @@ def test_blocks_within_one_bucket_fuse_without_warning(one_rank, warn_again):
     assert_same_step(got, want)
 
 
+def test_uncut_graph_with_a_rejected_block_gives_no_ddp_warning(one_rank, warn_again):
+    """Near miss of the warning: a block the pass rejects for its own reason (squared routing weights) in a graph
+    that fit one bucket is not blamed on DDP."""
+    from tests.passes.models import SquaredWeightsMoE
+
+    torch.manual_seed(0)
+    moe = SquaredWeightsMoE()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(DDP(moe, bucket_cap_mb=100.0), backend="mok", options=AOT)(torch.randn(10, 32)).sum().backward()
+    assert counters["mok"]["rejected_moe"] == 1, dict(counters["mok"])
+    assert not [w for w in caught if "DistributedDataParallel" in str(w.message)]
+
+
 def test_two_ranks_gradients_all_reduced():
     """Two gloo ranks, each on its own tokens: backend="mok" in DDP buckets gives eager DDP's averaged gradients."""
     spawn(ddp_rank_step, 2, "cpu", "aot_eager")
