@@ -38,7 +38,7 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: 
     if ddp.cut_by_dynamo(gm):
         diagnostics.warn_ddp_cuts(ddp.cut_blocks(gm, report))
     bucket_cap = ddp.bucket_cap_to_apply() if opts.ddp_buckets else None
-    if bucket_cap is not None and _has_fused_moe(gm):
+    if bucket_cap is not None:
         compiled, pieces = ddp.compile_in_buckets(gm, example_inputs, bucket_cap,
                                                   lambda piece, inputs: compile_inner(piece, inputs, opts))
         counters["mok"]["ddp_pieces"] += pieces

@@ -29,9 +29,9 @@ class BackendOptions:
         pass, instead of compiling the untouched graph).
     inductor_config: inductor config patches (``torch._inductor.config`` names),
         what ``options`` would hold for ``backend="inductor"``.
-    ddp_buckets: under DistributedDataParallel with ``torch._dynamo.config.optimize_ddp = False``, cut a
-        graph with fused blocks at DDP's bucket boundaries after fusing, so all-reduce overlaps the backward
-        (`mok_compile.ddp`). False: hand it on whole.
+    ddp_buckets: under DistributedDataParallel with ``torch._dynamo.config.optimize_ddp = False``, cut each
+        graph at DDP's bucket boundaries after fusing, as Dynamo's default would have before, so all-reduce
+        overlaps the backward (`mok_compile.ddp`). False: hand graphs on whole.
     mode: the ``torch.compile`` mode, applied to inductor as it would be for
         ``backend="inductor"``.
     """

@@ -7,8 +7,9 @@ larger than a bucket, so a cut falls inside the block and no piece holds all of 
 
 With ``optimize_ddp = False`` Dynamo hands the backend the whole graph. The `mok` backend fuses it and then cuts
 the *fused* graph at DDP's bucket boundaries itself, with torch's own `DDPOptimizer`: each fused op lands whole
-in one piece (it is one node), and the overlap comes back. Graphs where nothing was fused are left to the inner
-compiler uncut, as `optimize_ddp = False` asks. ``options={"ddp_buckets": False}`` keeps fused graphs uncut too.
+in one piece (it is one node), and the overlap comes back. A graph with nothing fused is cut the same way, so it
+compiles to the pieces Dynamo's default would have given inductor. ``options={"ddp_buckets": False}`` hands
+every graph on whole (all-reduce then waits for the whole backward).
 
 Under Dynamo's own cutting, the backend warns once when a cut piece holds expert GEMMs or a block it could
 not finish (`cut_by_dynamo`, `cut_blocks`), naming the one-line fix.
@@ -49,7 +50,7 @@ def cut_by_dynamo(gm: torch.fx.GraphModule) -> bool:
 
 
 def bucket_cap_to_apply() -> int | None:
-    """DDP's bucket size in bytes, where the backend should cut a fused graph itself: DDP is running and Dynamo
+    """DDP's bucket size in bytes, where the backend should cut graphs itself: DDP is running and Dynamo
     hands over whole graphs (``optimize_ddp = False``). None elsewhere, including compiled autograd's
     "python_reducer" modes, which overlap the all-reduce without cutting graphs."""
     module = active_module()

@@ -66,12 +66,29 @@ def test_ddp_buckets_off_keeps_the_graph_whole(one_rank, no_dynamo_cutting):
     assert_same_step(got, want)
 
 
-def test_graph_without_moe_is_not_cut(one_rank, no_dynamo_cutting):
-    """optimize_ddp=False asks for whole graphs: only a graph the backend fused is cut (into DDP's buckets)."""
-    dense = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])  # 1 MB each: four buckets
+class DenseLayers(torch.nn.Module):
+    """Four 1 MB linears (a module of ours: Dynamo does not compile torch.nn.Sequential's forward on its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("ddp_buckets", [True, False])
+def test_graph_without_moe_cut_as_dynamo_would(one_rank, no_dynamo_cutting, ddp_buckets):
+    """A graph with nothing to fuse is cut into the pieces Dynamo's default would have made (four 1 MB linears:
+    four buckets), so that switching optimize_ddp off for mok keeps the overlap of the rest of the model."""
+    torch.manual_seed(0)
     x = torch.randn(8, 512)
-    torch.compile(DDP(dense, bucket_cap_mb=BUCKET_MB), backend="mok", options=AOT)(x).sum().backward()
-    assert counters["mok"]["ddp_pieces"] == 0, dict(counters["mok"])
+    torch.compile(DDP(DenseLayers(), bucket_cap_mb=BUCKET_MB), backend="mok",
+                  options={**AOT, "ddp_buckets": ddp_buckets})(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1 and counters["mok"]["fused_moe"] == 0, dict(counters["mok"])
+    assert counters["mok"]["ddp_pieces"] == (4 if ddp_buckets else 0), dict(counters["mok"])
 
 
 def test_dynamo_cutting_blocks_warns_with_the_fix(one_rank, warn_again):
