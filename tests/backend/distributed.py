@@ -50,9 +50,9 @@ def process_group(rank: int = 0, world: int = 1, port: int | None = None, device
         dist.destroy_process_group()
 
 
-def model(dtype=torch.float32, device="cpu", sizes=SIZES):
-    """A two-layer Qwen3-MoE CausalLM with the same random weights on every call."""
-    return make_causal_lm("qwen3_moe", sizes, num_layers=NUM_LAYERS, dtype=dtype, device=device).train()
+def model(device="cpu", sizes=SIZES):
+    """A two-layer fp32 Qwen3-MoE CausalLM with the same random weights on every call."""
+    return make_causal_lm("qwen3_moe", sizes, num_layers=NUM_LAYERS, device=device).train()
 
 
 def train_step(module, ids):
