@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ddp
+
 LOGGER_NAME = "mok_compile"
 LOG_LEVEL_ENV = "MOK_LOG_LEVEL"
 log = logging.getLogger("mok_compile.diagnostics")
@@ -82,8 +84,6 @@ def warn_eager_fragments(report) -> None:
 
 def warn_ddp_cuts(cut: list[str]) -> None:
     """Warn once per process when Dynamo's DDP graph cutting left MoE blocks in pieces (`mok_compile.ddp`)."""
-    from .ddp import FIX
-
     if not cut:
         return
     log.info("mok: a piece of Dynamo's DDP cutting holds parts of MoE blocks: %s", "; ".join(cut))
@@ -92,7 +92,7 @@ def warn_ddp_cuts(cut: list[str]) -> None:
     _warned["ddp_cut"] = True
     warnings.warn(
         f"mok: under DistributedDataParallel, Dynamo cut the graph at DDP's bucket boundaries, and MoE blocks "
-        f"with it ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. Fix: {FIX}. "
+        f"with it ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. Fix: {ddp.FIX}. "
         "(Warned once; MOK_LOG_LEVEL=INFO lists every piece.)",
         UserWarning,
         stacklevel=2,
@@ -112,6 +112,7 @@ class ExplainReport:
     graph_break_count: int = 0
     break_reasons: list[str] = field(default_factory=list)
     pass_errors: list[str] = field(default_factory=list)  # the pass raised (a bug): graph left unfused
+    ddp_cuts: list[str] = field(default_factory=list)  # parts of MoE blocks in pieces Dynamo cut for DDP
 
     @property
     def fused(self):
@@ -134,6 +135,11 @@ class ExplainReport:
                 lines.append(f"            fix: {EAGER_FRAGMENT_FIX}")
         for err in self.pass_errors:
             lines.append(f"  PASS ERROR (graph compiled unfused): {err}")
+        if self.ddp_cuts:
+            lines.append("DistributedDataParallel: Dynamo cut the graph at DDP's bucket boundaries, and MoE blocks "
+                         "with it:")
+            lines += [f"  - {cut}" for cut in self.ddp_cuts]
+            lines.append(f"  fix: {ddp.FIX}")
         if self.break_reasons:
             lines.append("graph breaks:")
             lines += [f"  - {r}" for r in self.break_reasons]
@@ -205,9 +211,13 @@ def explain(model, *example_inputs, validate: bool = True, **kwargs) -> ExplainR
             located.append(reason)
         work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         try:
-            report.blocks += fuse_moe(work, inputs, validate=validate, strict=False).blocks
+            fused = fuse_moe(work, inputs, validate=validate, strict=False)
         except Exception as err:  # a bug in the pass must not hide the rest of the report
             report.pass_errors.append(f"graph {report.graph_count}: {type(err).__name__}: {err}")
+        else:
+            report.blocks += fused.blocks
+            if ddp.cut_by_dynamo(gm):
+                report.ddp_cuts += ddp.cut_blocks(work, fused)
         return gm.forward
 
     torch._dynamo.reset()

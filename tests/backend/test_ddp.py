@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import mok_compile
 from mok_compile import diagnostics
 from mok_compile.backend import mok_backend
 from mok_compile.hf_blocks import BlockSizes
@@ -121,6 +122,13 @@ def test_uncut_graph_with_a_rejected_block_gives_no_ddp_warning(one_rank, warn_a
         torch.compile(DDP(moe, bucket_cap_mb=100.0), backend="mok", options=AOT)(torch.randn(10, 32)).sum().backward()
     assert counters["mok"]["rejected_moe"] == 1, dict(counters["mok"])
     assert not [w for w in caught if "DistributedDataParallel" in str(w.message)]
+
+
+def test_explain_names_the_cut_blocks_and_the_fix(one_rank, capsys):
+    report = mok_compile.explain(DDP(model(), bucket_cap_mb=BUCKET_MB), token_ids())
+    printed = capsys.readouterr().out
+    assert report.ddp_cuts and not report.fused, printed
+    assert "model.layers.0.mlp.experts" in printed and "fix: torch._dynamo.config.optimize_ddp = False" in printed
 
 
 def test_two_ranks_gradients_all_reduced():
