@@ -93,6 +93,38 @@ def ddp_rank_step(rank: int, world: int, port: int, device: str, compiler: str):
         assert_same_step(got, want, TOL[device], f"rank {rank}")
 
 
+def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str, compiled: str):
+    """One rank: a training step of FSDP2 (`fully_shard` on each decoder layer and on the model, over all ranks)
+    with each layer compiled under backend="mok" (`compiled="per_layer"`) or the whole model (`"whole"`: Dynamo
+    breaks the graph at FSDP's hooks), against eager FSDP2, each rank on its own tokens; the full gradients are
+    compared."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    options = {"compiler": compiler}
+
+    def sharded(compile_it):
+        m = model(device=device)
+        mesh = init_device_mesh(device, (world,))
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh)
+            if compile_it and compiled == "per_layer":
+                layer.compile(backend=mok_backend, options=options)
+        m = fully_shard(m, mesh=mesh)
+        return torch.compile(m, backend=mok_backend, options=options) if compile_it and compiled == "whole" else m
+
+    def step(m):
+        loss, grads = train_step(m, token_ids(seed=1 + rank).to(device))
+        return loss, {n: g.full_tensor() for n, g in grads.items()}
+
+    with process_group(rank, world, port, device):
+        want = step(sharded(False))
+        got = step(sharded(True))
+        assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+        assert_same_step(got, want, TOL[device], f"rank {rank}")
+
+
 def spawn(fn, world: int, *args):
     """Run `fn(rank, world, port, *args)` in `world` fresh processes; a failing rank fails the call."""
     torch.multiprocessing.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)

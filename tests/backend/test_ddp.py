@@ -15,10 +15,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mok_compile
 from mok_compile import diagnostics
-from mok_compile.backend import mok_backend
 from mok_compile.hf_blocks import BlockSizes
 
-from .distributed import BUCKET_MB, SIZES, TOL, assert_same_step, ddp_rank_step, model, process_group, spawn, train_step
+from .distributed import (BUCKET_MB, SIZES, assert_same_step, ddp_rank_step, fsdp2_rank_step, model, process_group,
+                          spawn, train_step)
 from .helpers import NUM_LAYERS, token_ids
 
 AOT = {"compiler": "aot_eager"}
@@ -136,37 +136,14 @@ def test_two_ranks_gradients_all_reduced():
     spawn(ddp_rank_step, 2, "cpu", "aot_eager")
 
 
-def _fsdp2_check(compiled, device="cpu", compiler="aot_eager"):
-    """FSDP2 (`fully_shard` per decoder layer and on the model), each layer compiled or the whole model (Dynamo
-    breaks the graph at FSDP's hooks): every block fuses, and the step matches eager FSDP2."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    options = {"compiler": compiler}
-
-    def sharded(compile_it):
-        m = model(device=device)
-        mesh = init_device_mesh(device, (1,))
-        for layer in m.model.layers:
-            fully_shard(layer, mesh=mesh)
-            if compile_it and compiled == "per_layer":
-                layer.compile(backend=mok_backend, options=options)
-        m = fully_shard(m, mesh=mesh)
-        return torch.compile(m, backend=mok_backend, options=options) if compile_it and compiled == "whole" else m
-
-    def step(m):
-        loss, grads = train_step(m, token_ids().to(device))
-        return loss, {n: g.full_tensor() for n, g in grads.items()}
-
-    want = step(sharded(False))
-    got = step(sharded(True))
-    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
-    assert_same_step(got, want, TOL[device])
-
-
 @pytest.mark.parametrize("compiled", ["per_layer", "whole"])
-def test_fsdp2(one_rank, compiled):
-    _fsdp2_check(compiled)
+def test_fsdp2(compiled):
+    fsdp2_rank_step(0, 1, None, "cpu", "aot_eager", compiled)
+
+
+def test_fsdp2_two_ranks_sharded():
+    """Two gloo ranks, each layer's parameters sharded across them: the compiled layers see the gathered weights."""
+    spawn(fsdp2_rank_step, 2, "cpu", "aot_eager", "per_layer")
 
 
 @pytest.mark.gpu
@@ -178,8 +155,7 @@ def test_ddp_one_gpu_inductor():
 
 @pytest.mark.gpu
 def test_fsdp2_one_gpu_inductor():
-    with process_group(device="cuda"):
-        _fsdp2_check("per_layer", "cuda", "inductor")
+    fsdp2_rank_step(0, 1, None, "cuda", "inductor", "per_layer")
 
 
 @pytest.mark.gpu
