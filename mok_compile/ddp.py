@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+CUT = "under DistributedDataParallel, Dynamo cut the graph at DDP's bucket boundaries, and MoE blocks with it"
 FIX = ("torch._dynamo.config.optimize_ddp = False  (mok then fuses every block and cuts the fused graph into "
        "DDP's buckets itself, so all-reduce still overlaps the backward)")
 

@@ -70,16 +70,12 @@ def warn_eager_fragments(report) -> None:
     fragments = [b for b in report.blocks if b.form == EAGER_FRAGMENT_FORM and not b.fused]
     for b in fragments:
         log.info("mok: eager-experts fragment at %s not fused: %s", b.name, b.reason)
-    if not fragments or _warned["eager_fragment"]:
-        return
-    _warned["eager_fragment"] = True
-    b = fragments[0]
-    warnings.warn(
-        f"mok: MoE block {b.name} uses transformers' experts_implementation='eager' ({b.reason}); "
-        f"it is compiled unfused. Fix: {EAGER_FRAGMENT_FIX}. (Warned once; MOK_LOG_LEVEL=INFO lists every block.)",
-        UserWarning,
-        stacklevel=2,
-    )
+    if fragments:
+        b = fragments[0]
+        _warn_once("eager_fragment",
+                   f"mok: MoE block {b.name} uses transformers' experts_implementation='eager' ({b.reason}); "
+                   f"it is compiled unfused. Fix: {EAGER_FRAGMENT_FIX}. (Warned once; MOK_LOG_LEVEL=INFO lists "
+                   "every block.)")
 
 
 def warn_ddp_cuts(cut: list[str]) -> None:
@@ -87,16 +83,17 @@ def warn_ddp_cuts(cut: list[str]) -> None:
     if not cut:
         return
     log.info("mok: a piece of Dynamo's DDP cutting holds parts of MoE blocks: %s", "; ".join(cut))
-    if _warned["ddp_cut"]:
+    _warn_once("ddp_cut", f"mok: {ddp.CUT} ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. "
+                          f"Fix: {ddp.FIX}. (Warned once; MOK_LOG_LEVEL=INFO lists every piece.)")
+
+
+def _warn_once(key: str, message: str) -> None:
+    """`message` as a UserWarning (pointing at the caller of the `warn_*` function), the first time `key` comes up in
+    this process."""
+    if _warned[key]:
         return
-    _warned["ddp_cut"] = True
-    warnings.warn(
-        f"mok: under DistributedDataParallel, Dynamo cut the graph at DDP's bucket boundaries, and MoE blocks "
-        f"with it ({cut[0]}{'; ...' if len(cut) > 1 else ''}); they are compiled unfused. Fix: {ddp.FIX}. "
-        "(Warned once; MOK_LOG_LEVEL=INFO lists every piece.)",
-        UserWarning,
-        stacklevel=2,
-    )
+    _warned[key] = True
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -136,8 +133,7 @@ class ExplainReport:
         for err in self.pass_errors:
             lines.append(f"  PASS ERROR (graph compiled unfused): {err}")
         if self.ddp_cuts:
-            lines.append("DistributedDataParallel: Dynamo cut the graph at DDP's bucket boundaries, and MoE blocks "
-                         "with it:")
+            lines.append(f"{ddp.CUT}:")
             lines += [f"  - {cut}" for cut in self.ddp_cuts]
             lines.append(f"  fix: {ddp.FIX}")
         if self.break_reasons:
