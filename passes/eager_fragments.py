@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .op_names import op_name
+from .op_names import module_path, op_name
 
 FIX = ('transformers\' eager experts loop breaks the graph at nonzero, so the MoE block reaches the compiler in '
        'pieces; fix: model.set_experts_implementation("grouped_mm") (or from_pretrained(..., '
@@ -44,12 +44,12 @@ def _is_expert_mask(one_hot: fx.Node) -> bool:
 
 def find_eager_fragments(gm: fx.GraphModule) -> list:
     """BlockReports for the expert masks of eager experts loops in `gm`."""
-    from .fuse_moe import BlockReport, _module_path
+    from .fuse_moe import BlockReport
 
     reports = []
     for n in gm.graph.nodes:
         name = op_name(n)
         if name == "one_hot" and _is_expert_mask(n):
-            reports.append(BlockReport(name=_module_path(n) or n.name, fused=False, form="eager_fragment",
+            reports.append(BlockReport(name=module_path(n) or n.name, fused=False, form="eager_fragment",
                                        reason=f"expert mask {n.name} leaves the graph: {FIX}"))
     return reports

@@ -13,7 +13,6 @@ Graph fragments left by transformers' ``experts_implementation="eager"``
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -24,9 +23,10 @@ from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defa
 
 from .dataflow import Dataflow
 from .experts import ExpertsMatch, Stack, match_experts, region_form
-from .op_names import tensor_meta
+from .op_names import module_path, tensor_meta
 from .region import NoMatch, Region, find_region, selection_topks
 from .rewrite import emit, plan_rewrite
+from .sharded import sharded_reason, sharding_evidence
 from .routing import Flat, RouterMatch, match_router
 from .validate import concrete, probe
 
@@ -72,19 +72,9 @@ class FuseReport:
         return "\n".join(lines)
 
 
-def _module_path(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']+'\]\.?", "", path)      # Dynamo's name for the compiled module (its self argument)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)          # layers[0] -> layers.0
-    return re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-
-
 def block_name(region: Region) -> str:
     """Module path common to the block's nodes (from nn_module_stack), e.g. "model.layers.0.mlp"."""
-    paths = [p.split(".") for n in region.nodes if (p := _module_path(n)) is not None]
+    paths = [p.split(".") for n in region.nodes if (p := module_path(n)) is not None]
     if not paths:
         return region.topk.name
     common = []
@@ -209,12 +199,15 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     for topk, ids in anchors:
         if getattr(topk, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
-        block = BlockReport(name=_module_path(topk) or topk.name, fused=False, reason="", form="unknown")
+        block = BlockReport(name=module_path(topk) or topk.name, fused=False, reason="", form="unknown")
         try:
             _fuse_block(gm, topk, ids, validate, block, probe_cache, anchors)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form
+            evidence = sharding_evidence(gm, topk, ids)
+            if evidence is not None:
+                block.reason = sharded_reason(evidence, block.reason)
         report.blocks.append(block)
     report.blocks.extend(find_eager_fragments(gm))
     for block in report.blocks:

@@ -12,6 +12,7 @@ mutates its first argument, so every matcher handles every spelling.
 from __future__ import annotations
 
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -103,3 +104,14 @@ def arg(node: fx.Node, index: int, name: str, default=None):
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The path of the module whose forward made `node` (Dynamo's nn_module_stack), e.g. "model.layers.0.mlp.gate"."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)      # Dynamo's name for the compiled module (its self argument)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)          # layers[0] -> layers.0
+    return re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
