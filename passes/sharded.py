@@ -19,6 +19,8 @@ import torch.fx as fx
 from .dataflow import Dataflow
 from .op_names import LAYOUT_OPS_NAMES, module_path, op_name
 
+# How Dynamo writes DTensor.to_local: a method call (torch 2.13), or the traceable prim (torch 2.11).
+_TO_LOCAL = ("to_local", "prim_to_local")
 REASON = ("its experts are sharded across ranks (tensor or expert parallelism): mok fuses a block only when "
           "every expert's whole weights are on this rank, so it is compiled unfused")
 
@@ -32,7 +34,7 @@ def _shard_read(node: fx.Node) -> fx.Node | None:
             continue
         seen.add(n)
         name = op_name(n)
-        if name == "to_local":
+        if name in _TO_LOCAL:
             return n
         if name in LAYOUT_OPS_NAMES:
             work.extend(n.all_input_nodes)
