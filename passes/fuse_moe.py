@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
 
+from . import lone_experts
 from .dataflow import Dataflow
 from .experts import ExpertsMatch, Stack, match_experts, region_form
 from .op_names import module_path, tensor_meta
@@ -210,6 +211,8 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
                 block.reason = sharded_reason(evidence, block.reason)
         report.blocks.append(block)
     report.blocks.extend(find_eager_fragments(gm))
+    if not anchors:
+        report.blocks.extend(lone_experts.find_lone_experts(gm))
     for block in report.blocks:
         if block.fused:
             counters["mok"]["fused_moe"] += 1
@@ -217,8 +220,9 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
                      block.top_k, block.dtype)
         else:
             counters["mok"]["rejected_moe"] += 1
-            # Eager-experts fragments get one user warning per process from the backend, not one per compile.
-            level = logging.INFO if block.form == "eager_fragment" else logging.WARNING
+            # Eager-experts fragments get one user warning per process from the backend, not one per compile; lone
+            # experts are reported (explain, INFO), not warned about: DDP's cutting makes them too, and warns itself.
+            level = logging.INFO if block.form in ("eager_fragment", lone_experts.FORM) else logging.WARNING
             log.log(level, "mok: MoE block %s not fused: %s", block.name, block.reason)
     if report.fused:
         gm.graph.lint()

@@ -5,6 +5,7 @@ that names the sharding (`mok_compile.passes.sharded`), and the model computes w
 ranks on the CPU, each sharded by transformers' own plans (5.17's API and 5.21's).
 """
 
+import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
@@ -18,6 +19,11 @@ from .distributed import process_group, sharded_rank_step, spawn
 
 def test_expert_parallel_inference_left_unfused_with_the_reason():
     spawn(sharded_rank_step, 2, "ep", False)
+
+
+def test_all_to_all_expert_parallel_reports_the_experts_alone():
+    pytest.importorskip("transformers.distributed.expert_parallel", reason="all-to-all EP: transformers 5.21+")
+    spawn(sharded_rank_step, 2, "ep_all_to_all", False)
 
 
 def test_tensor_parallel_training_left_unfused_with_the_reason():
