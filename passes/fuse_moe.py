@@ -7,7 +7,9 @@ prove the op computes the same thing on random inputs (`validate`), then
 rewrite (`rewrite.emit`). A block that fails any step is left untouched and
 reported with the reason; `strict=True` turns that into an error.
 Graph fragments left by transformers' ``experts_implementation="eager"``
-(Dynamo breaks the graph at ``nonzero``) are reported by `eager_fragments`.
+(Dynamo breaks the graph at ``nonzero``) are reported by `eager_fragments`,
+expert GEMMs whose router is in another graph by `lone_experts`; a block whose
+experts are sharded across ranks gets its reason from `sharded`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from .experts import ExpertsMatch, Stack, match_experts, region_form
 from .op_names import module_path, tensor_meta
 from .region import NoMatch, Region, find_region, selection_topks
 from .rewrite import emit, plan_rewrite
-from .sharded import sharded_reason, sharding_evidence
 from .routing import Flat, RouterMatch, match_router
+from .sharded import sharded_reason, sharding_evidence
 from .validate import concrete, probe
 
 log = logging.getLogger("mok_compile.passes")
