@@ -178,6 +178,8 @@ def sharded_rank_step(rank: int, world: int, port: int, how: str, train: bool):
         for block in report.rejected:
             if how == "ep_all_to_all":  # the all-to-all's host read breaks the graph between router and experts
                 assert block.form == lone_experts.FORM, block
+                # named by module path, or where there is none (the experts' bound forward) by source line
+                assert block.name.endswith(".experts") or ".py:" in block.name, block
             else:
                 assert block.reason.startswith("its experts are sharded across ranks"), block.reason
                 assert "DTensor.to_local" in block.reason and ".mlp.experts" in block.reason, block.reason
