@@ -178,21 +178,15 @@ def _config(kernel, dtype, rows_per_expert, device):
 # engine:wgrad=sm90`).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
 # T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
-# The gathered stage takes CUTLASS only for wide experts (H * I from _WIDE_EXPERT_SIZE): since the
+# The gathered stage takes CUTLASS only for wide experts (H * I from _GATHERED_CUTLASS_MIN_SIZE): since the
 # Triton gate_up reads gate and up through one TMA box and walks its tiles in row-block groups (NOTES v13),
 # it is faster at Qwen3's 1024 rows per expert (T=16384: graph forward 2.51 against 3.02 ms) and GPT-OSS's
 # 512 (1.71 against 1.81), and ties Mixtral's 1024 (5.04 against 5.01, whose activation and gather passes
 # are small next to its GEMMs).
-# The weight gradients of wide experts ([E, 2I, H] layout) take CUTLASS from 256 rows per expert, not 64: at 64 and
-# 128 rows Mixtral's fwd+bwd (CUDA graphs) ran 2.310 against 2.896 ms and 2.645 against 3.713 on Triton, bit for
-# bit the same; at 256 rows CUTLASS won (5.450 against 6.370), and Qwen3's narrow experts keep it at 64 rows
-# (1.496 against 1.550). `python -m benchmarks.configs_ab engine:auto engine:wgrad=triton --shapes mixtral:256,...`,
-# NOTES v35 (7).
 STAGES = ("gathered", "down", "dgrad", "wgrad")
 _CUTLASS_FROM_ROWS = {"gathered": 512, "down": 512, "dgrad": 512, "wgrad": 64}
 _CUTLASS_FROM_ROWS_TRANSPOSED = {**_CUTLASS_FROM_ROWS, "wgrad": 0}
-_WIDE_EXPERT_SIZE = 1 << 24  # H * I: Mixtral's 4096 * 14336 is wide; GPT-OSS's 2880^2, Qwen3's, DeepSeek-V3's are not
-_WIDE_WGRAD_CUTLASS_FROM_ROWS = 256
+_GATHERED_CUTLASS_MIN_SIZE = 1 << 24  # H * I: Mixtral 4096 * 14336 takes CUTLASS; GPT-OSS 2880^2, Qwen3 do not
 
 
 def _forced(stage: str, allowed: tuple) -> str | None:
@@ -217,11 +211,9 @@ def engine(stage: str, rows_per_expert: float, transposed: bool = False, expert_
     if forced is not None:
         return forced
     table = _CUTLASS_FROM_ROWS_TRANSPOSED if transposed else _CUTLASS_FROM_ROWS
-    wide = expert_size is not None and expert_size >= _WIDE_EXPERT_SIZE
-    if stage == "gathered" and expert_size is not None and not wide:
+    if stage == "gathered" and expert_size is not None and expert_size < _GATHERED_CUTLASS_MIN_SIZE:
         return "triton"
-    threshold = _WIDE_WGRAD_CUTLASS_FROM_ROWS if stage == "wgrad" and wide and not transposed else table[stage]
-    return "cutlass" if rows_per_expert >= threshold else "triton"
+    return "cutlass" if rows_per_expert >= table[stage] else "triton"
 
 
 # The forward gate_up may also run on the Hopper CUDA kernel (csrc/gate_up_sm90.cu: persistent, warp-specialised,

@@ -26,16 +26,6 @@ def test_gathered_stage_takes_cutlass_only_for_wide_experts():
         assert configs.engine("down", 512, expert_size=size) == "cutlass"  # the other stages do not look at it
 
 
-def test_wide_experts_take_cutlass_weight_gradients_from_256_rows():
-    mixtral, deepseek_v3, qwen3 = 4096 * 14336, 7168 * 2048, 2048 * 768
-    assert configs.engine("wgrad", 128, expert_size=mixtral) == "triton"
-    assert configs.engine("wgrad", 256, expert_size=mixtral) == "cutlass"
-    for size in (deepseek_v3, qwen3, None):  # narrow experts, or the size unknown: from 64 rows
-        assert configs.engine("wgrad", 63, expert_size=size) == "triton"
-        assert configs.engine("wgrad", 64, expert_size=size) == "cutlass"
-    assert configs.engine("wgrad", 1, transposed=True, expert_size=mixtral) == "cutlass"  # the layout rule holds
-
-
 def test_transposed_weights_take_cutlass_weight_gradients_at_any_size():
     assert configs.engine("wgrad", 1, transposed=True) == "cutlass"
     assert configs.engine("wgrad", 1, transposed=False) == "triton"
