@@ -168,7 +168,7 @@ def sharded_rank_step(rank: int, world: int, port: int, how: str, train: bool):
     from torch._dynamo.utils import counters
 
     import mok_compile
-    from mok_compile.passes import lone_experts
+    from mok_compile.passes import lone_experts, sharded
 
     with process_group(rank, world, port):
         ids = token_ids(seed=1)
@@ -181,7 +181,7 @@ def sharded_rank_step(rank: int, world: int, port: int, how: str, train: bool):
                 # named by module path, or where there is none (the experts' bound forward) by source line
                 assert block.name.endswith(".experts") or ".py:" in block.name, block
             else:
-                assert block.reason.startswith("its experts are sharded across ranks"), block.reason
+                assert block.reason.startswith(sharded.REASON), block.reason
                 assert "DTensor.to_local" in block.reason and ".mlp.experts" in block.reason, block.reason
         counters.clear()  # explain's pass counted too
         compiled = torch.compile(m, backend=mok_backend, options={"compiler": "aot_eager"})

@@ -10,8 +10,8 @@ from .helpers import capture, count_fused, run
 
 
 class RoutedElsewhere(torch.nn.Module):
-    """An HF block whose routing reaches its experts through a host read of the routing (`.tolist()`), as
-    transformers' all-to-all expert parallelism reads split sizes back: Dynamo breaks the graph there."""
+    """An HF block with a graph break between its router and its experts, where transformers' all-to-all expert
+    parallelism has its host read of the split sizes."""
 
     def __init__(self, block):
         super().__init__()
