@@ -178,7 +178,12 @@ def make_runners(family, block, mode=None):
 
 
 def graphed(step):
-    """`step` captured in a CUDA graph (the op has no host sync, so it captures), or None if capture fails."""
+    """`step` captured in a CUDA graph (the op has no host sync, so it captures), or None if capture fails.
+
+    The replay function holds `step`: a graph reads its inputs at the addresses they had at capture, so whatever
+    `step` holds (e.g. a cloned input that nothing else references) must stay allocated as long as the graph may
+    be replayed. Returning the bare `graph.replay` let configs_ab's clone be freed and its memory be reused, and
+    its fwd+bwd timings then ran on whatever was written there (NOTES v36 (1))."""
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -189,10 +194,15 @@ def graphed(step):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        return graph.replay
     except Exception as err:  # report, never hide: the row then shows nan
         print(f"  CUDA graph capture failed: {type(err).__name__}: {err}", flush=True)
         return None
+
+    def replay():
+        graph.replay()
+
+    replay.step = step  # keeps what the graph reads allocated
+    return replay
 
 
 def profile(fn, x, params, label):
