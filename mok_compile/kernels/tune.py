@@ -49,8 +49,9 @@ def candidates(kernel, bucket):
     small = bucket in ("m4", "m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
     if kernel == "wgrad":
-        if small:
-            return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3)]
+        if small:  # write-bound (the K loop is 1-2 steps): 2 stages leave room for more programs per SM (NOTES v36)
+            return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3),
+                    _wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
         return [_wg(128, 128, 64, 8, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(128, 128, 128, 8, 2),
                 _wg(64, 128, 64, 4, 4)]
     if bucket == "m4":  # weight-bandwidth bound: narrow tiles, so that more programs stream
