@@ -166,6 +166,8 @@ def _config(kernel, dtype, rows_per_expert, device):
 # `python -m benchmarks.engines` (table in benchmarks/NOTES-gpu.md): Triton wins at few rows per
 # expert (weight-bandwidth bound, and its fused gather saves a pass), CUTLASS from ~512 rows on for
 # the sorted GEMMs and the gathered ones of wide experts (below), and in the weight gradients from ~64.
+# The weight gradients' 64 was rechecked with the 2-stage tiles of buckets m16 and m64 (NOTES v36 (3)): in the op's
+# fwd+bwd, Triton at 64 rows per expert was 1.027x at Qwen3 but 0.95x at DeepSeek-V3 and 0.97x at Mixtral.
 # The sorted GEMMs' bound was 256 until the tuned Triton tiles (128 x 256, B through TMA) won there: at 256
 # rows per expert, bit for bit the same, the forward ran 1.015-1.04x faster on Triton at Qwen3 (three runs),
 # 1.02x at GPT-OSS and DeepSeek-V3, and Mixtral's was a wash (1.03x, 0.98x); at 512 rows (Qwen3) 0.997x
