@@ -180,6 +180,7 @@ def _config(kernel, dtype, rows_per_expert, device):
 # engine:wgrad=sm90`).
 # With transposed weights ([E, in, out], GPT-OSS) the Triton weight gradient is slow (measured at GPT-OSS
 # T=256, 32 rows per expert: 1.30 ms against CUTLASS's 0.64), so CUTLASS takes it at any size.
+# Rechecked with the 2-stage tiles (NOTES v36 (6)): the op's fwd+bwd at GPT-OSS T=128 / 256 ran 0.92x / 0.82x on Triton.
 # The gathered stage takes CUTLASS only for wide experts (H * I from _GATHERED_CUTLASS_MIN_SIZE): since the
 # Triton gate_up reads gate and up through one TMA box and walks its tiles in row-block groups (NOTES v13),
 # it is faster at Qwen3's 1024 rows per expert (T=16384: graph forward 2.51 against 3.02 ms) and GPT-OSS's
