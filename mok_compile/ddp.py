@@ -82,12 +82,12 @@ def compile_in_buckets(gm: torch.fx.GraphModule, example_inputs: Sequence, bucke
 def cut_blocks(gm: torch.fx.GraphModule, report) -> list[str]:
     """What in a piece of Dynamo's DDP cutting shows a cut MoE block: blocks the pass found but could not
     finish, and expert GEMMs (grouped_mm) left unfused."""
-    from mok_compile.passes import lone_experts
+    from mok_compile.passes.fuse_moe import REPORT_ONLY_FORMS
     from mok_compile.passes.op_names import module_path, op_name
 
     blocks = report.blocks if report is not None else []
     found = [f"{b.name} ({b.reason})" for b in blocks
-             if not b.fused and b.form not in ("eager_fragment", lone_experts.FORM)]  # the latter: listed below
+             if not b.fused and b.form not in REPORT_ONLY_FORMS]  # lone experts: listed below
     found += [f"an expert GEMM of {module_path(n) or n.name} alone" for n in gm.graph.nodes
               if op_name(n) == "grouped_mm"]
     return found

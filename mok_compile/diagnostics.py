@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ddp
+from .passes.eager_fragments import FORM as EAGER_FRAGMENT_FORM
 
 LOGGER_NAME = "mok_compile"
 LOG_LEVEL_ENV = "MOK_LOG_LEVEL"
 log = logging.getLogger("mok_compile.diagnostics")
 
-EAGER_FRAGMENT_FORM = "eager_fragment"
 EAGER_FRAGMENT_FIX = (
     'model.set_experts_implementation("grouped_mm")  '
     '(or from_pretrained(..., experts_implementation="grouped_mm"))'

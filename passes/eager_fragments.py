@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from .op_names import module_path, op_name
 
+FORM = "eager_fragment"
 FIX = ('transformers\' eager experts loop breaks the graph at nonzero, so the MoE block reaches the compiler in '
        'pieces; fix: model.set_experts_implementation("grouped_mm") (or from_pretrained(..., '
        'experts_implementation="grouped_mm")) before torch.compile')
@@ -50,6 +51,6 @@ def find_eager_fragments(gm: fx.GraphModule) -> list:
     for n in gm.graph.nodes:
         name = op_name(n)
         if name == "one_hot" and _is_expert_mask(n):
-            reports.append(BlockReport(name=module_path(n) or n.name, fused=False, form="eager_fragment",
+            reports.append(BlockReport(name=module_path(n) or n.name, fused=False, form=FORM,
                                        reason=f"expert mask {n.name} leaves the graph: {FIX}"))
     return reports

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
 
-from . import lone_experts
+from . import eager_fragments, lone_experts
 from .dataflow import Dataflow
 from .experts import ExpertsMatch, Stack, match_experts, region_form
 from .op_names import module_path, tensor_meta
@@ -34,6 +34,9 @@ from .sharded import sharded_reason, sharding_evidence
 from .validate import concrete, probe
 
 log = logging.getLogger("mok_compile.passes")
+
+# Forms that are reported, never fused: pieces of a block that Dynamo split across graphs.
+REPORT_ONLY_FORMS = (eager_fragments.FORM, lone_experts.FORM)
 
 
 class MoeFusionError(RuntimeError):
@@ -193,8 +196,6 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     """
     from torch._dynamo.utils import counters
 
-    from .eager_fragments import find_eager_fragments
-
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
     probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
@@ -212,7 +213,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
             if evidence is not None:
                 block.reason = sharded_reason(evidence, block.reason)
         report.blocks.append(block)
-    report.blocks.extend(find_eager_fragments(gm))
+    report.blocks.extend(eager_fragments.find_eager_fragments(gm))
     if not anchors:
         report.blocks.extend(lone_experts.find_lone_experts(gm))
     for block in report.blocks:
@@ -224,7 +225,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
             counters["mok"]["rejected_moe"] += 1
             # Eager-experts fragments get one user warning per process from the backend, not one per compile; lone
             # experts are reported (explain, INFO), not warned about: DDP's cutting makes them too, and warns itself.
-            level = logging.INFO if block.form in ("eager_fragment", lone_experts.FORM) else logging.WARNING
+            level = logging.INFO if block.form in REPORT_ONLY_FORMS else logging.WARNING
             log.log(level, "mok: MoE block %s not fused: %s", block.name, block.reason)
     if report.fused:
         gm.graph.lint()
