@@ -256,7 +256,9 @@ def _route_bwd_kernel(
     pos = tl.load(pair_pos_ptr + pk, mask=omask, other=0)
     d = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     part_ptrs = dw_part_ptr + pos
-    for _ in range(0, n_parts):  # fixed order over the I-tiles
+    # Fixed order over the I-tiles. Unrolled, so that several loads are in flight at once (the adds stay in
+    # order: the same bits); one at a time, Mixtral's 112 parts took 51 us at T=256 (NOTES v37).
+    for _ in tl.range(0, n_parts, loop_unroll_factor=8):
         d += tl.load(part_ptrs, mask=omask, other=0.0)
         part_ptrs += TK
     if HAS_EXTRA:
