@@ -114,14 +114,21 @@ def capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a persistent grid's unit); 2 elsewhere (the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torch.device) -> dict:
     """Block sizes and launch options for `kernel` (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad).
-    `TMA` (grouped GEMMs): B tiles through a TMA descriptor where the weights allow it; MOK_TMA=0|1
-    overrides the table (tests, benchmarks). `GROUP_M` (grouped GEMMs, the kernels' default 8 where
-    absent): row blocks per group of the tile order; MOK_GROUP_M=n overrides it (benchmarks)."""
+    `TMA`: B tiles through a TMA descriptor where the weights allow it (grouped GEMMs), the gradient's tiles
+    stored through one (wgrad); MOK_TMA=0|1 overrides the table (tests, benchmarks). `GROUP_M` (grouped GEMMs,
+    the kernels' default 8 where absent): row blocks per group of the tile order; MOK_GROUP_M=n overrides it
+    (benchmarks). `PROGRAMS_PER_SM` (wgrad): a persistent grid of that many programs per SM."""
     cfg = _config(kernel, dtype, rows_per_expert, device)
     forced = os.environ.get("MOK_TMA")
-    if forced in ("0", "1") and kernel not in ("wgrad", "bwd_gate_up"):
+    if forced in ("0", "1") and kernel != "bwd_gate_up":
         cfg["TMA"] = forced == "1"
     group = os.environ.get("MOK_GROUP_M")
     if group and kernel != "wgrad":

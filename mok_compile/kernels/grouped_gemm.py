@@ -12,8 +12,10 @@ Three kernels, each with an upper-bound grid whose surplus programs exit at once
   and, in its epilogue, takes d(activation) with g2 = go @ W2^T from a plain
   gathered GEMM launched before it, so h is never stored.
 - `_wgrad_kernel`: per-expert weight gradient; each program owns one output
-  tile and reduces over its expert's rows in sorted order (deterministic,
-  no atomics); the bias gradient rides along in the programs of the first tile column.
+  tile (or, PERSISTENT, a strided share of them) and reduces over its expert's rows
+  in sorted order (deterministic, no atomics); the bias gradient rides along in the
+  programs of the first tile column. On Hopper its tiles may be stored through TMA
+  (`c_desc`): at a few rows per expert the kernel is bound by writing the gradients.
   (A runtime `if pid_q == 0` around that bias sum inside the pipelined K loop gave
   run-to-run different weight gradients on an H200 with Triton 3.6, so every program
   sums and only the first column's programs store.)
@@ -365,22 +367,70 @@ def _gate_up_bwd_tile(x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_
 @triton.jit
 def _wgrad_kernel(
     p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, c_ptr, dbias_ptr, expert_count_ptr, expert_start_ptr,
-    P, Q, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe,
+    P, Q, E, num_programs, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe,
     TOPK: tl.constexpr, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, BIAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, Q_SCALE: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False, c_desc=None,
 ):
     """C[e, p, q] = sum over expert e's rows r (in sorted order) of P[r, p] * Q[r, q];
     P/Q rows are gathered by token where flagged; dbias[e, p] = sum_r s_r P[r, p] (s_r the pair's
     routing weight if BIAS_SCALE, else 1), stored by the programs of the first q tile.
-    Q_SCALE (weight on input, dW1): Q rows are (Q[r] * scale[pair]).to(Q's dtype), the expert's input."""
-    pid = tl.program_id(0)
+    Q_SCALE (weight on input, dW1): Q rows are (Q[r] * scale[pair]).to(Q's dtype), the expert's input.
+    One output tile per program, or with PERSISTENT tiles i, i + num_programs, ... (one resident wave of
+    programs). `c_desc` (Hopper, `moe._wgrad`): C tiles are stored through TMA, asynchronously."""
+    if PERSISTENT:  # a loop in the one-tile launch made its plain stores 20-30% slower (NOTES v37)
+        for tile in range(tl.program_id(0), E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q), num_programs):
+            _wgrad_output_tile(
+                tile, p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, c_ptr, dbias_ptr, expert_count_ptr, expert_start_ptr,
+                P, Q, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe, TOPK, P_GATHER, Q_GATHER,
+                BIAS_SCALE, HAS_BIAS, PRECISION, BLOCK_P, BLOCK_Q, BLOCK_R, Q_SCALE, c_desc)
+    else:
+        _wgrad_output_tile(
+            tl.program_id(0), p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, c_ptr, dbias_ptr, expert_count_ptr,
+            expert_start_ptr, P, Q, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe, TOPK, P_GATHER,
+            Q_GATHER, BIAS_SCALE, HAS_BIAS, PRECISION, BLOCK_P, BLOCK_Q, BLOCK_R, Q_SCALE, c_desc)
+
+
+@triton.jit
+def _wgrad_output_tile(
+    tile, p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, c_ptr, dbias_ptr, expert_count_ptr, expert_start_ptr,
+    P, Q, stride_pm, stride_qm, stride_ce, stride_cp, stride_cq, stride_dbe, TOPK: tl.constexpr,
+    P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr, BIAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    Q_SCALE: tl.constexpr, c_desc,
+):
+    """Output tile `tile` of `_wgrad_kernel` (expert-major, then p, then q), and its share of the bias gradient."""
     num_p = tl.cdiv(P, BLOCK_P)
     num_q = tl.cdiv(Q, BLOCK_Q)
-    e = pid // (num_p * num_q)
-    rest = pid % (num_p * num_q)
+    e = tile // (num_p * num_q)
+    rest = tile % (num_p * num_q)
     pid_p = rest // num_q
     pid_q = rest % num_q
+    acc, bacc, pc, pmask = _wgrad_tile(
+        p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, expert_count_ptr, expert_start_ptr, e, pid_p, pid_q, P, Q,
+        stride_pm, stride_qm, TOPK, P_GATHER, Q_GATHER, BIAS_SCALE, HAS_BIAS, PRECISION, BLOCK_P, BLOCK_Q,
+        BLOCK_R, Q_SCALE)
+    if c_desc is not None:
+        c_desc.store([e, pid_p * BLOCK_P, pid_q * BLOCK_Q], acc.to(c_desc.dtype).reshape(1, BLOCK_P, BLOCK_Q))
+    else:
+        qc = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + pc[:, None].to(tl.int64) * stride_cp + qc[None, :] * stride_cq
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & (qc < Q)[None, :])
+    if HAS_BIAS:
+        if pid_q == 0:
+            tl.store(dbias_ptr + e.to(tl.int64) * stride_dbe + pc, bacc.to(dbias_ptr.dtype.element_ty), mask=pmask)
+
+
+@triton.jit
+def _wgrad_tile(
+    p_ptr, q_ptr, sorted_pair_ptr, scale_ptr, expert_count_ptr, expert_start_ptr, e, pid_p, pid_q, P, Q,
+    stride_pm, stride_qm, TOPK: tl.constexpr, P_GATHER: tl.constexpr, Q_GATHER: tl.constexpr,
+    BIAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, Q_SCALE: tl.constexpr,
+):
+    """One output tile of `_wgrad_kernel`: (acc [BLOCK_P, BLOCK_Q] fp32, bias sum [BLOCK_P] fp32, p columns,
+    their mask)."""
     start = tl.load(expert_start_ptr + e)
     count = tl.load(expert_count_ptr + e)
     pc = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -414,8 +464,4 @@ def _wgrad_kernel(
             qs = tl.load(scale_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
             qt = (qt.to(tl.float32) * qs[:, None]).to(q_ptr.dtype.element_ty)
         acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
-    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + pc[:, None].to(tl.int64) * stride_cp + qc[None, :] * stride_cq
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pmask[:, None] & qmask[None, :])
-    if HAS_BIAS:
-        if pid_q == 0:
-            tl.store(dbias_ptr + e.to(tl.int64) * stride_dbe + pc, bacc.to(dbias_ptr.dtype.element_ty), mask=pmask)
+    return acc, bacc, pc, pmask

@@ -207,21 +207,45 @@ def _tma_device(device) -> bool:
 
 
 def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_pq, cfg, precision, q_scale=None):
-    """`scale`: per-pair weights on the bias sum (BIAS_SCALE); `q_scale`: per-pair weights on the Q rows."""
+    """`scale`: per-pair weights on the bias sum (BIAS_SCALE); `q_scale`: per-pair weights on the Q rows.
+    Config keys beside the tile: `TMA` stores the gradient tiles through a TMA descriptor where `out` allows it
+    (`_output_descriptor`); `PROGRAMS_PER_SM` makes the grid persistent, that many programs per SM (it must not
+    exceed what fits on one SM at once, or the surplus programs run their share of tiles after the others)."""
     cfg = dict(cfg)
+    tma, per_sm = cfg.pop("TMA", False), cfg.pop("PROGRAMS_PER_SM", None)
     extra = {}
     if q_scale is not None:
         assert scale is None  # one scale pointer
         scale = q_scale
         extra["Q_SCALE"] = True
-    grid = (disp.num_experts * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"]),)
-    launcher(_wgrad_kernel)[grid](
+    if tma:
+        desc = _output_descriptor(out, P, Q, strides_pq, cfg["BLOCK_P"], cfg["BLOCK_Q"])
+        if desc is not None:
+            extra["c_desc"] = desc
+    tiles = disp.num_experts * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"])
+    programs = tiles if per_sm is None else max(1, min(tiles, per_sm * configs.sm_count(out.device)))
+    if programs < tiles:
+        extra["PERSISTENT"] = True
+    launcher(_wgrad_kernel)[(programs,)](
         p, q, disp.sorted_pair, scale if scale is not None else p, out, dbias if dbias is not None else out,
-        disp.expert_count, disp.expert_start, P, Q, p.stride(0), q.stride(0), out.stride(0), strides_pq[0],
-        strides_pq[1], dbias.stride(0) if dbias is not None else 0,
+        disp.expert_count, disp.expert_start, P, Q, disp.num_experts, programs, p.stride(0), q.stride(0),
+        out.stride(0), strides_pq[0], strides_pq[1], dbias.stride(0) if dbias is not None else 0,
         TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, BIAS_SCALE=scale is not None and q_scale is None,
         HAS_BIAS=dbias is not None, PRECISION=precision, **cfg, **extra,
     )
+
+
+def _output_descriptor(out, P, Q, strides_pq, block_p, block_q):
+    """TMA descriptor of a weight gradient `out` [E, P, Q] with [1, block_p, block_q] boxes; None where TMA cannot
+    write it: not Hopper or newer, a 32-bit dtype, out not laid out [E, P, Q] with Q contiguous (transposed
+    weights), or strides and base not 16-byte aligned."""
+    if not (_tma_device(out.device) and out.element_size() == 2 and tuple(out.shape[1:]) == (P, Q)
+            and tuple(strides_pq) == (out.stride(1), 1) and out.stride(2) == 1 and out.data_ptr() % 16 == 0
+            and out.stride(0) % 8 == 0 and out.stride(1) % 8 == 0):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(out, list(out.shape), list(out.stride()), [1, block_p, block_q])
 
 
 def _logits(x, router, router_bias, kw):
