@@ -49,9 +49,12 @@ def candidates(kernel, bucket):
     small = bucket in ("m4", "m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
     if kernel == "wgrad":
-        if small:  # write-bound (the K loop is 1-2 steps): 2 stages leave room for more programs per SM (NOTES v36)
-            return [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3),
-                    _wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
+        if small:  # write-bound (the K loop is 1-2 steps): 2 stages leave room for more programs per SM (NOTES v36),
+            # and stores through TMA (Hopper) free the programs sooner (NOTES v37). No persistent grid
+            # (PROGRAMS_PER_SM): it won at the tuning shapes but lost 17-21% at DeepSeek-V3's skewed routing.
+            c = [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3),
+                 _wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
+            return c + [{**cfg, "TMA": True} for cfg in c]
         return [_wg(128, 128, 64, 8, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(128, 128, 128, 8, 2),
                 _wg(64, 128, 64, 4, 4)]
     if bucket == "m4":  # weight-bandwidth bound: narrow tiles, so that more programs stream
@@ -61,6 +64,8 @@ def candidates(kernel, bucket):
     elif small:
         c = [_mm(16, 64, 128, 4, 4), _mm(32, 64, 128, 4, 4), _mm(64, 64, 64, 4, 4), _mm(32, 128, 64, 4, 4)]
         c = c if gated else c + [_mm(16, 128, 128, 4, 4), _mm(64, 128, 64, 4, 4)]
+        if bucket == "m64":  # up to ~64 rows per expert on average, many experts run over: one 128-row block each
+            c += [_mm(128, 64, 64, 4, 4), _mm(128, 64, 64, 8, 4), _mm(128, 128, 64, 8, 3)]
     elif gated:  # 64 x 256: half the row padding of 128-row blocks at the same B tile width as 128 x 128
         c = [_mm(128, 128, 64, 8, 3), _mm(128, 64, 64, 8, 4), _mm(64, 128, 64, 8, 4), _mm(128, 64, 64, 4, 4),
              _mm(128, 128, 64, 8, 4), _mm(64, 64, 64, 4, 4), _mm(64, 256, 64, 8, 3)]
