@@ -177,11 +177,13 @@ def test_cuda_graph_replay_of_the_persistent_tma_launch():
     from mok_compile.kernels.dispatch import Dispatch
 
     g = torch.Generator().manual_seed(5)
-    T, H, P, E, K = 300, 256, 192, 16, 4
+    T, H, P, E, K = 300, 1024, 1024, 16, 4
     disp = Dispatch.from_ids(_routing(T, E, K, None, g).to(torch.int32).cuda(), E)
     x = torch.randn(T, H, generator=g).cuda().bfloat16()
     rows = torch.randn(T * K, P, generator=g).cuda().bfloat16()
     cfg = {**configs.config("wgrad", torch.bfloat16, T * K / E, x.device), "TMA": True, "PROGRAMS_PER_SM": 2}
+    tiles = E * -(-P // cfg["BLOCK_P"]) * -(-H // cfg["BLOCK_Q"])
+    assert 2 * configs.sm_count(x.device) < tiles  # so the grid is persistent: each program runs several tiles
     out = torch.empty(E, P, H, device="cuda", dtype=torch.bfloat16)
 
     def step():
