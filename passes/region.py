@@ -307,9 +307,14 @@ def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
     fp32 post-norm model the norm's no-op ``out.to(float32)`` and its ``.pow(2)`` pass every other test.) Routing
     values (the logits, weights and ids: `routing_side`, what the top-k reads) may be read outside; shape queries of
     expert values too."""
-    last = op_name(strip(out, LAYOUT_OPS))
+    tail = strip(out, LAYOUT_OPS)
+    last = op_name(tail)
     if last in _AFTER_THE_COMBINE:
         raise NoMatch(f"the candidate output {out.name} applies {last!r} after the experts' sum")
+    if last == "mul" and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in tail.args):
+        # a product with a number never combines (the combine multiplies two tensors): OpenAI privacy filter's
+        # `experts(x) * top_k` lies past the block
+        raise NoMatch(f"the candidate output {out.name} scales the experts' sum by a constant")
     expert_weights = [n for n in inputs if n not in routing_side]
     for n in flow.sorted(flow.forward_slice(expert_weights, within=nodes)):
         if n is out or not isinstance(meta_value(n), torch.Tensor):  # sizes may be shared with later code

@@ -2,7 +2,7 @@
 
     A  logits ─(float)─ softmax ─> p ─> topk ─> w0 ─[renormalise]─[* scale]─[cast]─> w
        with a selection bias (Ernie 4.5): p + sel_bias ─> topk ─> ids;  w0 = p.gather(1, ids)
-    B  logits ─(float)─ topk ─> w0 ─ softmax ─[cast]─> w
+    B  logits ─(float)─ topk ─> w0 ─ softmax ─[* scale]─[cast]─> w
     C  logits ─(float)─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
        scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) (or the top-k values where nothing
        biased the choice) ─[renormalise]─[* scale]─> w
@@ -12,7 +12,8 @@
        [T, E] (Llama4: weight on the input; `s` scales a repeated input of every expert, see
        `experts.check_input_weight_application`; unchosen experts get sigmoid(-inf) = 0)
 
-    renormalise: w0 / ([clamp(] sum(w0, -1, keepdim) [, min=m)] [+ eps])
+    renormalise: w0 / ([clamp(] sum(w0, -1, keepdim) [, min=m)] [+ eps]);  * scale: * c or / c (c a number),
+    one or more
 
 A cast to the dtype a value already has is skipped wherever it stands (LFM2-MoE's
 ``.type_as(logits)`` before its renormalisation). Anything else on these chains (a
@@ -196,8 +197,12 @@ def match_router(region: Region) -> RouterMatch:
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
             routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
-        elif name == "mul" and u.args[0] is w and _float_const(u.args[1]) is not None and stage <= 2:
+        elif name == "mul" and u.args[0] is w and _float_const(u.args[1]) is not None and stage <= 3:
             scale, stage = scale * _float_const(u.args[1]), 3
+        elif name == "div" and u.args[0] is w and _float_const(u.args[1]) not in (None, 0.0) and stage <= 3:
+            # w / c as w * (1 / c): exact for a power of two (OpenAI privacy filter's / top_k), else within an ulp
+            # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
+            scale, stage = scale / _float_const(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
             if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
                 stage = 4

@@ -132,6 +132,33 @@ class SquaredWeightsMoE(StackedGatherMoE):
         return y.sum(dim=1)
 
 
+class DividedWeightsMoE(StackedGatherMoE):
+    """The OpenAI privacy filter's scales: the (already scaled) routing weights divided by a number, and the experts'
+    sum multiplied by one after the block. 3 is no power of two, so w * (1 / 3) may round differently from w / 3."""
+
+    def forward(self, x):
+        T, H = x.shape
+        w, flat = self.route(x)
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), flat)
+        y = y.view(T, self.top_k, H) * (w / 3.0).unsqueeze(-1).to(y.dtype)
+        return y.sum(dim=1) * 2.0
+
+
+class TensorDividedWeightsMoE(StackedGatherMoE):
+    """Near miss: the routing weights divided by a parameter (a tensor that training changes), not by a number."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, x):
+        T, H = x.shape
+        w, flat = self.route(x)
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), flat)
+        y = y.view(T, self.top_k, H) * (w / self.temperature).unsqueeze(-1).to(y.dtype)
+        return y.sum(dim=1)
+
+
 class BiasedSoftmaxMoE(StackedGatherMoE):
     """Ernie 4.5's routing: fp32 softmax, a selection bias kept as a [1, E] parameter and added squeezed, the unbiased
     probabilities of the chosen experts renormalised by clamp(sum, min). `norm_min` is large here, so that the clamp

@@ -190,6 +190,25 @@ def test_ops_after_the_block_stay_outside(module, validate):
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "structural"])
+def test_constant_scales_around_the_block(validate):
+    """Weights divided by a number fold into the op's routed_scale (1.5 / 3 here); the experts' sum multiplied by a
+    number after the block stays in the graph (a product with a number never combines)."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.DividedWeightsMoE(), torch.randn(10, 32), validate=validate)
+    assert len(report.fused) == 1 and not report.rejected, str(report)
+    assert report.blocks[0].routing.routed_scale == pytest.approx(0.5)
+    assert any(n.op == "call_function" and "mul" in str(n.target) and 2.0 in n.args for n in gm.graph.nodes), gm.code
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_weights_divided_by_a_tensor_not_fused():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.TensorDividedWeightsMoE(), torch.randn(10, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "temperature" in report.rejected[0].reason  # named as an input the supported forms do not have
+
+
 def test_validate_false_gives_the_same_rewrite():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.StackedGatherMoE(), torch.randn(10, 32), validate=False)

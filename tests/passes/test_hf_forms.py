@@ -228,6 +228,26 @@ def test_kolibri1_block_fused(dtype, norm_topk_prob):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_openai_privacy_filter_block_fused(dtype):
+    """OpenAIPrivacyFilterMLP: an fp32 router with a bias, the softmax of the top-k logits divided by top_k,
+    GPT-OSS's clamped SwiGLU on gate and up halves (not interleaved), transposed weights with biases, and the
+    experts' sum multiplied by top_k after the experts: routed_scale = 1 / top_k, and that product stays in the
+    graph. (transformers >= 5.24.)"""
+    modeling = pytest.importorskip("transformers.models.openai_privacy_filter.modeling_openai_privacy_filter")
+
+    config = modeling.OpenAIPrivacyFilterConfig(hidden_size=64, intermediate_size=32, num_local_experts=8,
+                                                num_experts_per_tok=2, vocab_size=128, pad_token_id=0,
+                                                bos_token_id=1, eos_token_id=1)
+    _, x, gm, example, routing, eager = _fused_block(modeling.OpenAIPrivacyFilterMLP, config, dtype)
+    assert (routing.routing, routing.routed_scale, routing.router_fp32) == ("topk_softmax", 0.5,
+                                                                             dtype != torch.float32)
+    assert any(n.op == "call_function" and 2 in n.args and "mul" in str(n.target) for n in gm.graph.nodes), gm.code
+    out, scores = run(gm, example)
+    torch.testing.assert_close(out, eager[0], **TOL[dtype])
+    torch.testing.assert_close(scores, eager[1], **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_flex_olmo_post_norm_model_fused(dtype):
     """FlexOlmo normalises each block's output (post-norm). In fp32 the RMSNorm's ``.to(float32)`` is a no-op and its
