@@ -31,6 +31,10 @@ VARIANTS = {
                 ExpertSpec(activation="clamped_silu", interleaved=True, transposed=True, alpha=1.702, limit=7.0),
                 True, True, False),
     "granite": (dict(routing="topk_softmax", weights_fp32=False), ExpertSpec(), False, False, False),
+    # OpenAI's privacy filter: an fp32 router with a bias, the softmax of the top-k logits / top_k, GPT-OSS's clamped
+    # SwiGLU on gate and up halves (not interleaved), [E, H, 2I] experts with biases.
+    "privacy_filter": (dict(routing="topk_softmax", router_fp32=True, routed_scale=0.5),
+                       ExpertSpec(activation="clamped_silu", transposed=True, alpha=1.702, limit=7.0), True, True, False),
     "gelu_tanh_glu": (dict(renormalize=True), ExpertSpec(activation="gelu_tanh"), False, True, False),
     "relu2": (dict(), ExpertSpec(activation="relu2", gated=False), False, False, False),
     "relu": (dict(), ExpertSpec(activation="relu", gated=False, transposed=True), False, True, False),
@@ -144,7 +148,7 @@ def make_case(variant, T, H, I, E, K, dtype=torch.float32, device="cpu", seed=0,
     tensors = (
         x,
         router,
-        rnd(E, scale=0.1) if router_bias and not routing.router_is_logits else None,
+        rnd(E, scale=0.1, dt=router.dtype) if router_bias and not routing.router_is_logits else None,
         rnd(E, scale=0.1, dt=torch.float32) if sel_bias else None,
         w1,
         rnd(E, up * I, scale=0.1) if expert_bias else None,
