@@ -29,7 +29,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
-from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, op_name, tensor_meta
+from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, tensor_meta
 from .region import NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
 
@@ -61,10 +61,7 @@ def _is_interleave_slice(node: fx.Node) -> bool:
 
 
 def _const(node: fx.Node):
-    for a in node.args[1:]:
-        if isinstance(a, (int, float)) and not isinstance(a, bool):
-            return float(a)
-    return None
+    return next((number(a) for a in node.args[1:] if number(a) is not None), None)
 
 
 def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last: fx.Node, bias_side: set[fx.Node]):

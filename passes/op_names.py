@@ -99,6 +99,11 @@ def meta_value(node):
     return node.meta.get("val", node.meta.get("example_value"))
 
 
+def number(value) -> float | None:
+    """`value` as a float where it is a Python number (an op's constant argument; a bool is not one), else None."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def arg(node: fx.Node, index: int, name: str, default=None):
     """Argument `index` (positional) or `name` (keyword) of a call node."""
     if len(node.args) > index:

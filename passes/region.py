@@ -34,7 +34,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .dataflow import Dataflow
-from .op_names import CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, meta_value, op_name, tensor_meta
+from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, meta_value, number,
+                       op_name, tensor_meta)
 
 
 class NoMatch(Exception):
@@ -311,7 +312,7 @@ def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
     last = op_name(tail)
     if last in _AFTER_THE_COMBINE:
         raise NoMatch(f"the candidate output {out.name} applies {last!r} after the experts' sum")
-    if last == "mul" and any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in tail.args):
+    if last == "mul" and any(number(a) is not None for a in tail.args):
         # a product with a number never combines (the combine multiplies two tensors): OpenAI privacy filter's
         # `experts(x) * top_k` lies past the block
         raise NoMatch(f"the candidate output {out.name} scales the experts' sum by a constant")

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import RoutingSpec
 
-from .op_names import CAST_OPS, VIEW_OPS, arg, op_name, tensor_meta
+from .op_names import CAST_OPS, VIEW_OPS, arg, number, op_name, tensor_meta
 from .region import NoMatch, Region, getitem_users, router_weight, strip, topk_k
 
 
@@ -62,10 +62,6 @@ def _is_last_dim(dim, ndim: int) -> bool:
 
 def _softmax_dim(node: fx.Node):
     return arg(node, 1, "dim")
-
-
-def _float_const(v):
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _pre_topk_chain(region: Region) -> list[fx.Node]:
@@ -197,12 +193,12 @@ def match_router(region: Region) -> RouterMatch:
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
             routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
-        elif name == "mul" and u.args[0] is w and _float_const(u.args[1]) is not None and stage <= 3:
-            scale, stage = scale * _float_const(u.args[1]), 3
-        elif name == "div" and u.args[0] is w and _float_const(u.args[1]) not in (None, 0.0) and stage <= 3:
+        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3:
+            scale, stage = scale * number(u.args[1]), 3
+        elif name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3:
             # w / c as w * (1 / c): exact for a power of two (OpenAI privacy filter's / top_k), else within an ulp
             # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
-            scale, stage = scale / _float_const(u.args[1]), 3
+            scale, stage = scale / number(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
             if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
                 stage = 4
@@ -259,13 +255,13 @@ def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, 
     denom, eps, renorm_min = total, 0.0, 0.0
     nxt = _single_user(denom, region)
     if nxt is not None and op_name(nxt) in ("clamp", "clamp_min") and nxt.args[0] is denom:
-        low = _float_const(arg(nxt, 1, "min"))
+        low = number(arg(nxt, 1, "min"))
         if op_name(nxt) == "clamp" and arg(nxt, 2, "max") is not None or low is None or not 0.0 <= low < math.inf:
             raise NoMatch("routing weights are renormalised by a clamped sum other than clamp(sum, min=m), m >= 0")
         renorm_min, denom = low, nxt
         nxt = _single_user(denom, region)
-    if nxt is not None and op_name(nxt) == "add" and _float_const(nxt.args[1]) is not None:
-        eps, denom = _float_const(nxt.args[1]), nxt
+    if nxt is not None and op_name(nxt) == "add" and number(nxt.args[1]) is not None:
+        eps, denom = number(nxt.args[1]), nxt
     div = _single_user(denom, region)
     if div is None or op_name(div) != "div" or div.args[0] is not w or div.args[1] is not denom:
         raise NoMatch("routing weights are renormalised in an unsupported way (only w / (clamp(sum, min) + eps))")

@@ -181,8 +181,7 @@ def _weight_descriptor(w, strides_kn, width, block_k, gate_up_box=None):
     `gate_up_box` = I (gated, gate columns [0, I) and up columns [I, 2I)): the n dimension split in two,
     [E, k, 2, I] / [E, 2, I, k] with [1, block_k, 2, width/2] / [1, 2, width/2, block_k] boxes
     (`_mainloop_tma`'s GATE_UP_BOX)."""
-    if not (_tma_device(w.device) and w.dim() == 3 and w.element_size() == 2 and w.stride(2) == 1
-            and 1 in strides_kn and w.data_ptr() % 16 == 0 and w.stride(0) % 8 == 0 and w.stride(1) % 8 == 0):
+    if not (_tma_3d(w) and 1 in strides_kn):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -198,6 +197,13 @@ def _weight_descriptor(w, strides_kn, width, block_k, gate_up_box=None):
                                 [1, block_k, 2, width // 2])
     return TensorDescriptor(w, [shape[0], 2, I, shape[2]], [strides[0], I * strides[1], strides[1], 1],
                             [1, 2, width // 2, block_k])
+
+
+def _tma_3d(t) -> bool:
+    """Whether TMA can address the 3-d 16-bit tensor `t` as stored: Hopper or newer, last dimension contiguous,
+    base and the other strides 16-byte aligned."""
+    return (_tma_device(t.device) and t.dim() == 3 and t.element_size() == 2 and t.stride(2) == 1
+            and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0)
 
 
 def _tma_device(device) -> bool:
@@ -239,9 +245,7 @@ def _output_descriptor(out, P, Q, strides_pq, block_p, block_q):
     """TMA descriptor of a weight gradient `out` [E, P, Q] with [1, block_p, block_q] boxes; None where TMA cannot
     write it: not Hopper or newer, a 32-bit dtype, out not laid out [E, P, Q] with Q contiguous (transposed
     weights), or strides and base not 16-byte aligned."""
-    if not (_tma_device(out.device) and out.element_size() == 2 and tuple(out.shape[1:]) == (P, Q)
-            and tuple(strides_pq) == (out.stride(1), 1) and out.stride(2) == 1 and out.data_ptr() % 16 == 0
-            and out.stride(0) % 8 == 0 and out.stride(1) % 8 == 0):
+    if not (_tma_3d(out) and tuple(out.shape[1:]) == (P, Q) and tuple(strides_pq) == (out.stride(1), 1)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

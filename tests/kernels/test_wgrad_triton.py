@@ -29,7 +29,6 @@ CPU_CASES = [
 _SCRIPT = r'''
 import json, torch
 from mok_compile.kernels import configs, moe
-from mok_compile.kernels.dispatch import Dispatch
 from tests.kernels.test_wgrad_triton import CPU_CASES, OPTIONS, run_case
 
 made = []
