@@ -125,7 +125,8 @@ def config(kernel: str, dtype: torch.dtype, rows_per_expert: float, device: torc
     `TMA`: B tiles through a TMA descriptor where the weights allow it (grouped GEMMs), the gradient's tiles
     stored through one (wgrad); MOK_TMA=0|1 overrides the table (tests, benchmarks). `GROUP_M` (grouped GEMMs,
     the kernels' default 8 where absent): row blocks per group of the tile order; MOK_GROUP_M=n overrides it
-    (benchmarks). `PROGRAMS_PER_SM` (wgrad): a persistent grid of that many programs per SM."""
+    (benchmarks). `PROGRAMS_PER_SM` (wgrad): a persistent grid of that many programs per SM, while each program
+    runs at most `MAX_TILES_PER_PROGRAM` tiles where given (`moe._wgrad_programs`)."""
     cfg = _config(kernel, dtype, rows_per_expert, device)
     forced = os.environ.get("MOK_TMA")
     if forced in ("0", "1") and kernel != "bwd_gate_up":

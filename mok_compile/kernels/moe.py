@@ -215,10 +215,11 @@ def _tma_device(device) -> bool:
 def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_pq, cfg, precision, q_scale=None):
     """`scale`: per-pair weights on the bias sum (BIAS_SCALE); `q_scale`: per-pair weights on the Q rows.
     Config keys beside the tile: `TMA` stores the gradient tiles through a TMA descriptor where `out` allows it
-    (`_output_descriptor`); `PROGRAMS_PER_SM` makes the grid persistent, that many programs per SM (it must not
-    exceed what fits on one SM at once, or the surplus programs run their share of tiles after the others)."""
+    (`_output_descriptor`); `PROGRAMS_PER_SM` and `MAX_TILES_PER_PROGRAM` choose a persistent grid
+    (`_wgrad_programs`)."""
     cfg = dict(cfg)
-    tma, per_sm = cfg.pop("TMA", False), cfg.pop("PROGRAMS_PER_SM", None)
+    tma = cfg.pop("TMA", False)
+    per_sm, max_tiles = cfg.pop("PROGRAMS_PER_SM", None), cfg.pop("MAX_TILES_PER_PROGRAM", None)
     extra = {}
     if q_scale is not None:
         assert scale is None  # one scale pointer
@@ -229,7 +230,7 @@ def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_p
         if desc is not None:
             extra["c_desc"] = desc
     tiles = disp.num_experts * cdiv(P, cfg["BLOCK_P"]) * cdiv(Q, cfg["BLOCK_Q"])
-    programs = tiles if per_sm is None else max(1, min(tiles, per_sm * configs.sm_count(out.device)))
+    programs = _wgrad_programs(tiles, per_sm, max_tiles, out.device)
     if programs < tiles:
         extra["PERSISTENT"] = True
     launcher(_wgrad_kernel)[(programs,)](
@@ -239,6 +240,19 @@ def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_p
         TOPK=disp.top_k, P_GATHER=p_gather, Q_GATHER=q_gather, BIAS_SCALE=scale is not None and q_scale is None,
         HAS_BIAS=dbias is not None, PRECISION=precision, **cfg, **extra,
     )
+
+
+def _wgrad_programs(tiles, per_sm, max_tiles, device):
+    """The weight gradient's grid: one program per output tile, or with `per_sm` a persistent grid of that many
+    programs per SM (no more than fit on one SM at once, or the surplus programs run their share after the
+    others), but only while each program runs at most `max_tiles` tiles where that is given: with ~600-1200 tiles a
+    program the persistent grid lost to one tile per program, with up to ~150 it won (NOTES v38)."""
+    if per_sm is None:
+        return tiles
+    resident = per_sm * configs.sm_count(device)
+    if max_tiles is not None and tiles > max_tiles * resident:
+        return tiles
+    return max(1, min(tiles, resident))
 
 
 def _output_descriptor(out, P, Q, strides_pq, block_p, block_q):

@@ -50,11 +50,15 @@ def candidates(kernel, bucket):
     gated = kernel in ("gate_up", "bwd_gate_up")
     if kernel == "wgrad":
         if small:  # write-bound (the K loop is 1-2 steps): 2 stages leave room for more programs per SM (NOTES v36),
-            # and stores through TMA (Hopper) free the programs sooner (NOTES v37). No persistent grid
-            # (PROGRAMS_PER_SM): it won at the tuning shapes but lost 17-21% at DeepSeek-V3's skewed routing.
+            # and stores through TMA (Hopper) free the programs sooner (NOTES v37). A persistent grid (3 programs per
+            # SM: what fits) only at 17-64 rows per expert: at up to 16 it lost at Mixtral's and DeepSeek-V3's
+            # sizes; and only up to 256 tiles a program: DeepSeek-V3's skewed routing lost with it (NOTES v37, v38).
             c = [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3),
                  _wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
-            return c + [{**cfg, "TMA": True} for cfg in c]
+            c += [{**cfg, "TMA": True} for cfg in c]
+            if bucket == "m64":
+                c += [{**cfg, "PROGRAMS_PER_SM": 3, "MAX_TILES_PER_PROGRAM": 256} for cfg in c[-3:]]
+            return c
         return [_wg(128, 128, 64, 8, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(128, 128, 128, 8, 2),
                 _wg(64, 128, 64, 4, 4)]
     if bucket == "m4":  # weight-bandwidth bound: narrow tiles, so that more programs stream

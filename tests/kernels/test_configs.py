@@ -7,6 +7,7 @@ import torch
 from mok_compile.kernels import configs, tune
 
 _SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
+_SM_SMEM_BYTES = 228 * 1024  # and per SM
 _GATED = ("gate_up", "bwd_gate_up")
 
 
@@ -34,8 +35,14 @@ def test_tuned_table_keys_and_sizes():
         blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK_")}
         assert all(v >= 16 and v & (v - 1) == 0 for v in blocks.values()), (key, cfg)
         assert cfg["num_warps"] in (4, 8) and 2 <= cfg["num_stages"] <= 5, (key, cfg)
-        assert set(cfg) - set(blocks) <= {"num_warps", "num_stages", "TMA"}, (key, cfg)
+        launch = {"num_warps", "num_stages", "TMA"}
+        if kernel == "wgrad":
+            launch |= {"PROGRAMS_PER_SM", "MAX_TILES_PER_PROGRAM"}
+        assert set(cfg) - set(blocks) <= launch, (key, cfg)
         assert _smem_estimate(kernel, cfg) <= _SMEM_BYTES, (key, cfg)
+        if "PROGRAMS_PER_SM" in cfg:  # a persistent grid's programs must all fit on an SM at once
+            store = cfg["BLOCK_P"] * cfg["BLOCK_Q"] * 2 if cfg.get("TMA") else 0  # the TMA store's buffer
+            assert cfg["PROGRAMS_PER_SM"] * (_smem_estimate(kernel, cfg) + store) <= _SM_SMEM_BYTES, (key, cfg)
 
 
 def test_tuner_filters():

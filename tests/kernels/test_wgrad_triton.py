@@ -159,13 +159,24 @@ def test_every_option_gives_the_plain_launchs_bits_on_the_gpu(case):
 
     T, H, P, E, K = case[:5]
     tile = configs.config("wgrad", torch.bfloat16, T * K / E, torch.device("cuda"))
-    tile = {k: v for k, v in tile.items() if k not in ("TMA", "PROGRAMS_PER_SM")}
+    tile = {k: v for k, v in tile.items() if k not in ("TMA", "PROGRAMS_PER_SM", "MAX_TILES_PER_PROGRAM")}
     hopper = configs.capability(torch.device("cuda"))[0] == 9
     res, plain = run_case(*case, device="cuda", dtype=torch.bfloat16, tile=tile, cutlass=hopper)
     _, again = run_case(*case, device="cuda", dtype=torch.bfloat16, tile=tile)
     _check(res, 1e-2)
     assert torch.equal(plain[0], again[0]) and (plain[1] is None or torch.equal(plain[1], again[1]))  # repeats
     assert res.get("cutlass_equal", True), res
+
+
+def test_persistent_grid_only_within_its_tiles_per_program_bound():
+    from mok_compile.kernels import moe
+
+    cpu = torch.device("cpu")  # configs.sm_count: 2 units off CUDA
+    assert moe._wgrad_programs(100, None, None, cpu) == 100  # one tile per program
+    assert moe._wgrad_programs(100, 3, None, cpu) == 6  # 3 programs per unit
+    assert moe._wgrad_programs(4, 3, None, cpu) == 4  # never more programs than tiles
+    assert moe._wgrad_programs(60, 3, 10, cpu) == 6  # 10 tiles a program: within the bound
+    assert moe._wgrad_programs(61, 3, 10, cpu) == 61  # past it: one tile per program
 
 
 @pytest.mark.gpu
