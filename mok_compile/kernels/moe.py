@@ -245,8 +245,10 @@ def _wgrad(p, q, disp, scale, out, dbias, *, P, Q, p_gather, q_gather, strides_p
 def _wgrad_programs(tiles, per_sm, max_tiles, device):
     """The weight gradient's grid: one program per output tile, or with `per_sm` a persistent grid of that many
     programs per SM (no more than fit on one SM at once, or the surplus programs run their share after the
-    others), but only while each program runs at most `max_tiles` tiles where that is given: with ~600-1200 tiles a
-    program the persistent grid lost to one tile per program, with up to ~150 it won (NOTES v38)."""
+    others), but only while each program runs at most `max_tiles` tiles where that is given. The table's bound is a
+    guard, not a law: it keeps layers of DeepSeek-V3's size (600-1200 tiles a program) on one tile per program,
+    where the persistent grid lost 17-21% on the benchmark's skewed routing though it won on even routing (NOTES
+    v37, v38)."""
     if per_sm is None:
         return tiles
     resident = per_sm * configs.sm_count(device)

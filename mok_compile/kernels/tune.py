@@ -51,8 +51,8 @@ def candidates(kernel, bucket):
     if kernel == "wgrad":
         if small:  # write-bound (the K loop is 1-2 steps): 2 stages leave room for more programs per SM (NOTES v36),
             # and stores through TMA (Hopper) free the programs sooner (NOTES v37). A persistent grid (3 programs per
-            # SM: what fits) only at 17-64 rows per expert: at up to 16 it lost at Mixtral's and DeepSeek-V3's
-            # sizes; and only up to 256 tiles a program: DeepSeek-V3's skewed routing lost with it (NOTES v37, v38).
+            # SM: what fits) only at 17-64 rows per expert (at up to 16 a one-tile grid writes faster at Mixtral's and
+            # DeepSeek-V3's sizes), up to 256 tiles a program (DeepSeek-V3's skewed routing lost; NOTES v37, v38).
             c = [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3),
                  _wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
             c += [{**cfg, "TMA": True} for cfg in c]
