@@ -53,11 +53,11 @@ def candidates(kernel, bucket):
             # and stores through TMA (Hopper) free the programs sooner (NOTES v37). A persistent grid (3 programs per
             # SM: what fits) only at 17-64 rows per expert (at up to 16 a one-tile grid writes faster at Mixtral's and
             # DeepSeek-V3's sizes), up to 256 tiles a program (DeepSeek-V3's skewed routing lost; NOTES v37, v38).
-            c = [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3),
-                 _wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
-            c += [{**cfg, "TMA": True} for cfg in c]
+            two_stage = [_wg(128, 128, 32, 4, 2), _wg(64, 128, 32, 4, 2), _wg(128, 64, 32, 4, 2)]
+            c = [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(128, 128, 32, 8, 3), _wg(128, 128, 64, 8, 3)]
+            c = c + two_stage + [{**cfg, "TMA": True} for cfg in c + two_stage]
             if bucket == "m64":
-                c += [{**cfg, "PROGRAMS_PER_SM": 3, "MAX_TILES_PER_PROGRAM": 256} for cfg in c[-3:]]
+                c += [{**cfg, "TMA": True, "PROGRAMS_PER_SM": 3, "MAX_TILES_PER_PROGRAM": 256} for cfg in two_stage]
             return c
         return [_wg(128, 128, 64, 8, 3), _wg(128, 256, 64, 8, 3), _wg(128, 128, 64, 8, 4), _wg(128, 128, 128, 8, 2),
                 _wg(64, 128, 64, 4, 4)]

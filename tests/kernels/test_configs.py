@@ -40,9 +40,22 @@ def test_tuned_table_keys_and_sizes():
             launch |= {"PROGRAMS_PER_SM", "MAX_TILES_PER_PROGRAM"}
         assert set(cfg) - set(blocks) <= launch, (key, cfg)
         assert _smem_estimate(kernel, cfg) <= _SMEM_BYTES, (key, cfg)
-        if "PROGRAMS_PER_SM" in cfg:  # a persistent grid's programs must all fit on an SM at once
-            store = cfg["BLOCK_P"] * cfg["BLOCK_Q"] * 2 if cfg.get("TMA") else 0  # the TMA store's buffer
-            assert cfg["PROGRAMS_PER_SM"] * (_smem_estimate(kernel, cfg) + store) <= _SM_SMEM_BYTES, (key, cfg)
+        assert _persistent_programs_fit(kernel, cfg), (key, cfg)
+
+
+def _persistent_programs_fit(kernel, cfg) -> bool:
+    """A persistent grid's programs must all fit on an SM at once (else the surplus ones run after the others)."""
+    if "PROGRAMS_PER_SM" not in cfg:
+        return True
+    store = cfg["BLOCK_P"] * cfg["BLOCK_Q"] * 2 if cfg.get("TMA") else 0  # the TMA store's buffer
+    return cfg["PROGRAMS_PER_SM"] * (_smem_estimate(kernel, cfg) + store) <= _SM_SMEM_BYTES
+
+
+def test_tuner_offers_persistent_weight_gradients_only_at_17_to_64_rows_and_only_ones_that_fit():
+    for name, _ in configs.BUCKETS:
+        persistent = [cfg for cfg in tune.candidates("wgrad", name) if "PROGRAMS_PER_SM" in cfg]
+        assert bool(persistent) == (name == "m64"), name
+        assert all(_persistent_programs_fit("wgrad", cfg) and cfg["MAX_TILES_PER_PROGRAM"] for cfg in persistent)
 
 
 def test_tuner_filters():
