@@ -494,11 +494,11 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         d_down = torch.empty_like(down_proj)
         _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True,
                q_gather=False, strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
+        del act_w  # its last read: freed before d_gu is made (peak memory; NOTES v39)
         d_gu = torch.empty_like(gate_up_proj)
         _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
                strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
                q_scale=w_flat if woi else None)
-        del act_w
 
     # d(input) of each pair, summed per token by the final combine.
     if eng["dgrad"] == "cutlass":
