@@ -241,7 +241,7 @@ print(json.dumps([c["earlier_inputs_alive"] for c in calls]))
 def test_the_down_weight_gradients_rows_are_freed_before_the_gate_up_one():
     """The Triton weight gradients run dW2 (go, act(h) * w) and then dW1 (dh, x): act(h) * w, [T*K, I], is dead by
     the time dW1's gradient is made, as CUTLASS's path drops its sorted copies (with it alive, Mixtral T=256's
-    fwd+bwd peaked 10 MB above CUTLASS's and HF's, NOTES v39)."""
+    fwd+bwd peaked 10 MB above CUTLASS's path and 8.5 MB above HF's eager block, NOTES v39 (5))."""
     pytest.importorskip("triton")
     calls = run_interpreted(_FREE_SCRIPT, timeout=600)
     assert len(calls) == 2 and calls[0] == []
