@@ -469,14 +469,17 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         wgrad_eng = "cutlass"
     if wgrad_eng == "sm90":  # rows gathered in-kernel
         del gos, xs
-        d_down, d_gu = torch.empty_like(down_proj), torch.empty_like(gate_up_proj)
+        d_down = torch.empty_like(down_proj)
         if transposed:
             wgrad_sm90.wgrad(act_w, go, disp, d_down, q_gather=True)
-            wgrad_sm90.wgrad(x, dh, disp, d_gu, p_gather=True)
         else:
             wgrad_sm90.wgrad(go, act_w, disp, d_down, p_gather=True)
+        del act_w  # its last read: freed before d_gu is made, as on the other engines
+        d_gu = torch.empty_like(gate_up_proj)
+        if transposed:
+            wgrad_sm90.wgrad(x, dh, disp, d_gu, p_gather=True)
+        else:
             wgrad_sm90.wgrad(dh, x, disp, d_gu, q_gather=True)
-        del act_w
         _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
     elif wgrad_eng == "cutlass":
         if gos is None:

@@ -148,3 +148,31 @@ def test_backward_with_the_cuda_weight_gradients_equals_the_cutlass_one(monkeypa
     assert calls.call_count == 2  # dW1 and dW2 ran on the CUDA kernel under sm90 (no fallback to CUTLASS), none else
     for got, want in zip(results["sm90"], results["cutlass"], strict=True):
         assert torch.equal(got, want)
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss"])
+def test_the_down_weight_gradients_rows_are_freed_before_the_gate_up_one(monkeypatch, variant):
+    """dW2 (grad_out, act(h) * w) runs first and act(h) * w, [T*K, I], is dead before dW1's gradient is made, as on
+    the other engines (alive, it would add T*K*I elements to the backward's peak; NOTES v39 (5), v40 (1))."""
+    import weakref
+
+    from mok_compile.kernels import moe, plan
+    from tests.kernels.cases import make_case
+
+    monkeypatch.setattr(plan, "enabled", False)
+    monkeypatch.setenv("MOK_GEMM_ENGINE", "wgrad=sm90")
+    calls, real = [], wgrad_sm90.wgrad
+
+    def watched(p, q, disp, out, **kwargs):
+        calls.append({"rows": weakref.ref(q if kwargs.get("p_gather") else p),  # the sorted operand
+                      "earlier_rows_alive": [c["rows"]() is not None for c in calls]})
+        return real(p, q, disp, out, **kwargs)
+
+    monkeypatch.setattr(wgrad_sm90, "wgrad", watched)
+    tensors, kw = make_case(variant, T=300, H=256, I=192, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    out, w, ids = moe.fused_moe_forward(*tensors, **kw)
+    go = torch.randn(out.shape, device="cuda", generator=generator(1, "cuda")).to(out.dtype)
+    moe.fused_moe_backward(go, None, *tensors, w, ids, **kw)
+    assert [c["earlier_rows_alive"] for c in calls] == [[], [False]]
