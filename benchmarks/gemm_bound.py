@@ -152,7 +152,7 @@ def run_shape(name, tokens, ceilings, rounds, log) -> list[dict]:
     params = [p for p in block.parameters() if p.requires_grad]
     rows = []
     for T in tokens or default_tokens:
-        x, _, ids = layer_routing(name, T)
+        x, _, ids = layer_routing(name, T, block=block)
         counts = torch.bincount(ids.flatten(), minlength=sizes.experts)
         gemms = ExpertGemms(tensors[3], tensors[5], kw["transposed"], counts,
                             torch.Generator(device="cuda").manual_seed(1))

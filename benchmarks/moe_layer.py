@@ -115,13 +115,14 @@ def build_block(family, sizes, overrides):
     return block.eval()
 
 
-def layer_routing(name, T, seed=0):
+def layer_routing(name, T, seed=0, block=None):
     """(x, topk_weights, topk_ids) of this benchmark's block at shape `name` for T random tokens: the routing its
-    kernels see in the layer. A kernel timed alone on other routing need not rank as in the layer: at DeepSeek-V3
-    T=4096 this block's router sends tokens to 182 of 256 experts (0-1027 rows per expert), the tuner's random router
-    to all 256 (93-160), and the Triton and CUDA gate_ups swap places between the two (NOTES v31)."""
+    kernels see in the layer (`block`: that block, already built; else it is built here). A kernel timed alone on
+    other routing need not rank as in the layer: at DeepSeek-V3 T=4096 this block's router sends tokens to 182 of 256
+    experts (0-1027 rows per expert), the tuner's random router to all 256 (93-160), and the Triton and CUDA gate_ups
+    swap places between the two (NOTES v31)."""
     family, sizes, overrides, _ = SHAPES[name]
-    block = build_block(family, sizes, overrides)
+    block = block if block is not None else build_block(family, sizes, overrides)
     tensors, kw = hf_blocks.op_arguments(family, block)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, sizes.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -4,7 +4,7 @@ the tuner's random router does."""
 import pytest
 import torch
 
-from benchmarks.moe_layer import kernel_problem, layer_routing
+from benchmarks.moe_layer import SHAPES, build_block, kernel_problem, layer_routing
 
 
 def test_kernel_problem_names_an_unknown_routing():
@@ -25,10 +25,13 @@ def test_problem_rejects_a_routing_of_other_shapes():
 
 @pytest.mark.gpu
 def test_kernel_problem_runs_the_layers_routing():
-    """The problem's tokens, routing and sorted layout are the layer block's (the same seed gives the same ids); the
-    tuner's random router routes them otherwise."""
+    """The problem's tokens, routing and sorted layout are the layer block's (the same seed gives the same ids, also
+    with the block passed in, as benchmarks.gemm_bound does); the tuner's random router routes them otherwise."""
     T, E = 300, 128
     x, _, ids = layer_routing("qwen3", T)
+    family, sizes, overrides, _ = SHAPES["qwen3"]
+    x_given, _, ids_given = layer_routing("qwen3", T, block=build_block(family, sizes, overrides))
+    assert torch.equal(x_given, x) and torch.equal(ids_given, ids)  # the block passed in routes as the one built
     problem, note = kernel_problem("qwen3", T)
     assert torch.equal(problem.x, x) and torch.equal(problem.ids, ids)
     counts = torch.bincount(ids.flatten(), minlength=E)
