@@ -34,6 +34,7 @@ from benchmarks.moe_layer import (SHAPES, _no_grad, build_block, floors, fwd_bwd
                                   make_runners, measure_ceilings, time_in_rounds)
 from mok_compile import hf_blocks
 from mok_compile.kernels.cutlass_gemm import _grouped_mm
+from mok_compile.kernels.moe import _kn  # W[e] as the op's grouped GEMMs read it
 
 FORWARD = ("gate_up", "down")
 GEMMS = FORWARD + ("g2", "dgrad", "dW2", "dW1")
@@ -48,11 +49,6 @@ TARGETS = {
     ("deepseek_v3", "fwd"): {4096: 1.8},
     ("gpt_oss", "fwd"): {4096: 1.8},
 }
-
-
-def _kn(w, transposed, backward=False):
-    """W[e] as the [k, n] operand: forward x @ W, backward g @ W^T (the op's layouts: `kernels.moe._kn`)."""
-    return w if transposed != backward else w.transpose(1, 2)
 
 
 class ExpertGemms:
@@ -72,7 +68,7 @@ class ExpertGemms:
         self.offs = counts.cumsum(0).to(torch.int32)
         ends = self.offs.tolist()
         self.spans = list(zip([0] + ends[:-1], ends))
-        # name -> ("mm", a, b_kn [E, k, n]) for C[rows of e] = A[rows of e] @ B[e], or ("wgrad", p, q, out shape) for
+        # name -> ("mm", a, b_kn [E, k, n]) for C[rows of e] = A[rows of e] @ B[e], or ("wgrad", p, q) for
         # C[e] = P[rows of e]^T @ Q[rows of e], laid out as the weight it is the gradient of.
         self.problems = {
             "gate_up": ("mm", x, _kn(w1, transposed)),
