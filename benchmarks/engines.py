@@ -35,22 +35,24 @@ def _set_engine(engine):
         os.environ["MOK_GEMM_ENGINE"] = engine
 
 
-def kernel_times(step) -> dict:
+def kernel_times(step, top=16, steps=3) -> dict:
+    """GPU ms per `step` of each kernel (torch.profiler over `steps` calls after 2 of warm-up), names cut to 60
+    characters, the `top` largest (all: top=None)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(steps):
             step()
         torch.cuda.synchronize()
     times = {}
     for ev in prof.key_averages():
         if ev.device_time_total > 0:
             key = ev.key[:60]
-            times[key] = times.get(key, 0.0) + ev.device_time_total / 3 / 1e3  # ms per step
-    return {k: round(v, 4) for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:16]}
+            times[key] = times.get(key, 0.0) + ev.device_time_total / steps / 1e3  # ms per step
+    return {k: round(v, 4) for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def warm_host_profile(step, log):
