@@ -130,6 +130,21 @@ def spawn(fn, world: int, *args):
     torch.multiprocessing.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
 
 
+# Qwen3-MoE's tensor-parallel plan for its experts in transformers 5.17-5.24. 5.25 took it out of the models' own
+# plans and deprecated its `moe_tp_experts` style (to go in 5.28) for expert parallelism; while the style exists a
+# user can still ask for it, and the test does.
+EXPERTS_TP_PLAN = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+                   "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def experts_tensor_parallel_exists() -> bool:
+    """Whether this transformers can still shard a block's experts by tensor parallelism (`moe_tp_experts`)."""
+    from transformers.distributed import tensor_parallel
+
+    styles = getattr(tensor_parallel, "ALL_PARALLEL_STYLES", None)
+    return styles is None or "moe_tp_experts" in styles
+
+
 def sharded_model(world: int, how: str, device: str = "cpu"):
     """`model()` with its experts sharded over `world` ranks by transformers' own plans: `how` is "ep" (the
     model's expert-parallel plan: each rank's experts on the whole batch, summed by an all-reduce),
@@ -152,6 +167,8 @@ def sharded_model(world: int, how: str, device: str = "cpu"):
             m._tp_plan = {key: style for key, style in m.tp_plan.items() if ".experts" in key}
         return tensor_parallel.apply_tensor_parallelism(m, mesh)
     source = m.config.base_model_ep_plan if how.startswith("ep") else m.config.base_model_tp_plan
+    if how == "tp" and not any(".experts" in key for key in source):
+        source = EXPERTS_TP_PLAN  # transformers 5.25+: no longer among the model's own plans
     plan = {f"model.{key.replace('*', str(i))}": style for key, style in source.items() if ".experts" in key
             for i in range(len(m.model.layers))}
     if how.startswith("ep"):
