@@ -3,7 +3,8 @@
     python -m benchmarks.row_padding [--shapes qwen3:4096,mixtral:4096] [--rounds 3] [--out DIR]
 
 A grouped GEMM cuts each expert's rows into blocks of 128 (the Triton tiles' BLOCK_M at these sizes, the CUDA
-kernel's, CUTLASS's); an expert's last block is partly empty, and the matrix unit computes it at full height. With
+kernel's, CUTLASS's); an expert's last block is partly empty but costs a whole tile (its weight-tile loads, and
+its MMA work at full height). With
 the benchmark's routing an expert gets a few rows more or fewer than the mean, so most experts end in a partial
 block; with an even routing (token t's slot k on expert (t * K + k) mod E) every expert gets T * K / E rows, a
 multiple of 128 at the issue's shapes and token counts from 4096. Same tokens, same weights, same useful FLOPs: the

@@ -25,7 +25,7 @@ def test_even_routing_needs_as_many_experts_as_slots():
 
 def test_a_partial_block_counts_whole_and_an_empty_expert_takes_none():
     assert padded_blocks([1024] * 8) == 64
-    # Mixtral's layer routing at T=4096 (NOTES v42 (1)): 69 blocks where 64 would hold the rows
+    # counts like Mixtral's layer routing at T=4096 (NOTES v42 (1)): 69 blocks where 64 would hold the rows
     assert padded_blocks([1041, 986, 1030, 1025, 1019, 1008, 1047, 1036]) == 69
     assert padded_blocks([0, 1, 128, 129]) == 0 + 1 + 1 + 2
     assert padded_blocks([100], block=64) == 2
