@@ -13,13 +13,11 @@ and the alternation show which (NOTES v41 (5)). Writes fwd_kernels.json under --
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
 from benchmarks.engines import kernel_times
-from benchmarks.moe_layer import SHAPES, _no_grad, build_block, make_runners
+from benchmarks.moe_layer import SHAPES, _no_grad, build_block, make_runners, write_json
 
 # Kernel names (as `kernel_times` cuts them) of the expert GEMMs: torch's CUTLASS grouped GEMM (HF's path and the
 # op's CUTLASS stages), the op's Triton grouped GEMM and its Hopper CUDA gate_up. The router's GEMM (cuBLAS) is
@@ -79,9 +77,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     rows = [r for name, T in shapes for r in run_shape(name, T, args.blocks)]
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fwd_kernels.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.out, "fwd_kernels.json", rows)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 
 import torch
 
 from benchmarks.moe_layer import (SHAPES, _no_grad, build_block, floors, fwd_bwd, graphed, layer_routing,
-                                  make_runners, measure_ceilings, time_in_rounds)
+                                  make_runners, measure_ceilings, time_in_rounds, write_json)
 from mok_compile import hf_blocks
 from mok_compile.kernels.cutlass_gemm import _grouped_mm
 from mok_compile.kernels.moe import _kn  # W[e] as the op's grouped GEMMs read it
@@ -200,8 +199,7 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         rows += run_shape(name, tokens, ceilings, args.rounds, lambda msg: print(msg, flush=True))
-    with open(os.path.join(args.out, "gemm_bound.json"), "w") as f:
-        json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
+    write_json(args.out, "gemm_bound.json", {"ceilings": ceilings, "rows": rows})
     print(table(rows), flush=True)
 
 

@@ -277,6 +277,13 @@ def time_in_rounds(timed, rounds, timer=None) -> dict:
     return times
 
 
+def write_json(out_dir, name, obj):
+    """`obj` as `name` (indented JSON) under the folder `out_dir`, made if missing."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(obj, f, indent=1)
+
+
 def _no_grad(fn, x):
     def run():
         with torch.no_grad():
@@ -426,8 +433,7 @@ def main():
     rows = []
     for name in args.shapes.split(","):
         rows += run_shape(name, tokens, ceilings, log, args.profile, args.mode, args.rounds)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"ceilings": ceilings, "compile_mode": args.mode, "rows": rows}, f, indent=1)
+        write_json(args.out, "results.json", {"ceilings": ceilings, "compile_mode": args.mode, "rows": rows})
     plot(rows, os.path.join(args.out, "speedup.png"))
     log(table(rows, ceilings))
 

@@ -21,14 +21,12 @@ CUTLASS; all of them at both routings in the same alternating rounds. Writes row
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 
 import torch
 
 from benchmarks.fwd_kernels import parse_shapes
-from benchmarks.moe_layer import SHAPES, layer_routing
+from benchmarks.moe_layer import SHAPES, layer_routing, time_in_rounds, write_json
 
 BLOCK_ROWS = 128
 ROUTINGS = ("layer", "even")
@@ -48,14 +46,11 @@ def padded_blocks(counts, block: int = BLOCK_ROWS) -> int:
     return sum(-(-c // block) for c in counts)
 
 
-def _bench(fns: dict, rounds: int) -> dict:
+def _bench(fn) -> float:
+    """One kernel's time, ms: shorter than `moe_layer.bench`'s, for the many kernels of a call."""
     import triton
 
-    times = {k: [] for k in fns}
-    for r in range(rounds):
-        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            times[k].append(triton.testing.do_bench(fns[k], warmup=5, rep=40, return_mode="median"))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
 
 
 def _kernels(x, disp, w1, w2, I):
@@ -105,7 +100,8 @@ def run_shape(name: str, T: int, rounds: int) -> list[dict]:
         counts[routing] = disp.expert_count.tolist()
         for label, kernel in _kernels(x, disp, w1, w2, I).items():
             kernels[(routing, label)] = kernel
-    times = _bench({key: fn for key, (fn, _) in kernels.items()}, rounds)
+    rounds_ms = time_in_rounds([(key, fn) for key, (fn, _) in kernels.items()], rounds, timer=_bench)
+    times = {key: statistics.median(ms) for key, ms in rounds_ms.items()}
     rows = {}
     for (routing, label), ms in times.items():
         row = rows.setdefault(label, dict(shape=name, T=T, kernel=label))
@@ -137,9 +133,7 @@ def main():
                   f"{r['even_tflops']:.0f} | {r['layer_over_even']:.3f} |", flush=True)
         torch.cuda.empty_cache()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "row_padding.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, "row_padding.json", results)
 
 
 if __name__ == "__main__":
