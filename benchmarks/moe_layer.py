@@ -64,15 +64,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measure_ceilings() -> dict:
-    """bf16 8192^3 matmul TFLOP/s (random data) and device copy TB/s (bytes read + written)."""
+def measure_ceilings(time_all=None) -> dict:
+    """bf16 8192^3 matmul TFLOP/s (random data) and device copy TB/s (bytes read + written). `time_all`: {name: fn}
+    -> {name: ms per call} (benchmarks.power's, over seconds at the power limit); default: each one's `bench`."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_mm = bench(lambda: a @ b)
     src = torch.randn(2**29, device="cuda", dtype=torch.float32)  # 2 GiB
     dst = torch.empty_like(src)
-    t_cp = bench(lambda: dst.copy_(src))
-    return {"matmul_tflops": 2 * 8192**3 / t_mm / 1e9, "copy_tbps": 2 * src.numel() * 4 / t_cp / 1e9}
+    fns = {"matmul": lambda: a @ b, "copy": lambda: dst.copy_(src)}
+    ms = time_all(fns) if time_all is not None else {name: bench(fn) for name, fn in fns.items()}
+    return {"matmul_tflops": 2 * 8192**3 / ms["matmul"] / 1e9, "copy_tbps": 2 * src.numel() * 4 / ms["copy"] / 1e9}
 
 
 def floors(T, sizes, experts_hit, ceilings) -> tuple[float, float]:

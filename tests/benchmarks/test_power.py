@@ -1,0 +1,47 @@
+"""The power benchmark's sample parsing and per-block summary (`benchmarks.power`) on the CPU. The sampling and
+timing need a GPU and nvidia-smi."""
+
+import math
+import statistics
+from datetime import datetime
+
+import pytest
+
+from benchmarks.power import block_means, parse_samples, summarize, table
+
+
+def _stamp(text):
+    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+
+
+def test_samples_parse_and_bad_lines_are_skipped():
+    lines = ["2026/12/03 17:40:01.020, 1410, 692.31", "", "2026/12/03 17:40:01.040, [N/A], 690.00",
+             "garbage", "2026/12/03 17:40:01.060, 1980, 91.5"]
+    samples = parse_samples(lines)
+    assert samples == [(_stamp("2026/12/03 17:40:01.020"), 1410.0, 692.31),
+                       (_stamp("2026/12/03 17:40:01.060"), 1980.0, 91.5)]
+
+
+def test_a_block_averages_only_its_middle():
+    # one sample per 0.1 s over a 1 s block: the first 20% (a clock settling after the previous block) and the
+    # last 5% are left out
+    samples = [(0.1 * i, 1000.0 + i, 600.0 + 10 * i) for i in range(11)]
+    mhz, watts, used = block_means(0.0, 1.0, samples)
+    assert used == 8  # t = 0.2 .. 0.9
+    assert mhz == pytest.approx(statistics.mean(range(1002, 1010)))
+    assert watts == pytest.approx(statistics.mean(range(620, 700, 10)))
+    assert all(math.isnan(v) for v in block_means(5.0, 5.01, samples)[:2])
+
+
+def test_summary_takes_medians_per_side_and_energy_from_power_and_time():
+    samples = [(0.05 * i, 1400.0 if i < 40 else 1800.0, 690.0) for i in range(80)]
+    blocks = [("hf+comp", 0.0, 1.0, 1.2), ("mok", 2.0, 3.0, 0.8), ("mok", 2.0, 3.0, 0.9), ("hf+comp", 0.0, 1.0, 1.0)]
+    s = summarize(blocks, samples)
+    assert s["hf+comp"]["ms"] == pytest.approx(1.1) and s["mok"]["ms"] == pytest.approx(0.85)
+    assert s["hf+comp"]["mhz"] == 1400.0 and s["mok"]["mhz"] == 1800.0
+    assert s["mok"]["joules"] == pytest.approx(690.0 * 0.85 / 1000)
+    assert s["mok"]["blocks"] == 2
+    row = {"shape": "qwen3", "T": 4096, "phase": "fwd", "floor_ms": 0.425, "sides": s}
+    text = table([row])
+    assert "| qwen3 | 4096 | fwd | mok | 0.850 | 1800 | 690 | 0.587 | 1.29 | 1.29 | 0.50 |" in text
+    assert "| qwen3 | 4096 | fwd | hf+comp | 1.100 | 1400 | 690 | 0.759 | 1.00 | 1.00 | 0.39 |" in text
