@@ -6,8 +6,8 @@
 Why: at the issue's shapes the H200 runs these layers at its power limit (about 690 W of 700), where the SM clock
 falls to 1.4-1.9 GHz from the 1.98 GHz it boosts to (NOTES v42 (8), v43 (3)). There a call's time is its energy
 divided by the limit, so a kernel change pays only where it removes work (FLOPs, bytes moved), not where it
-overlaps work with other work; and a side whose glue is memory-bound runs its GEMMs at a higher clock than one that
-fused the glue away. The time ratio alone does not show this; this benchmark puts each side's clock, power and
+overlaps work with other work; and a side whose glue is memory-bound runs at a higher clock than one that fused the
+glue away. The time ratio alone does not show this; this benchmark puts each side's clock, power and
 joules per call next to it.
 
 Per shape (`name:T`, a `benchmarks.moe_layer` shape; HF's block with random weights, the layer benchmark's input)
@@ -18,7 +18,7 @@ left out: the clock settles after a change of load). Sides: "hf+comp" (HF's bloc
 and "mok" (the op called eagerly, as the layer table's mok column). Energy per call = mean power x GPU time per
 call (CUDA events over the block). The floor is the layer benchmark's (`moe_layer.floors`), from its two ceilings
 measured the same way, over blocks of back-to-back calls at the power limit (`sustained_ceilings`): a dense bf16
-matmul runs ~15% slower there than in `do_bench`'s short bursts (NOTES v43 (3)). Writes power.json under --out.
+matmul runs 8-17% slower there than in `do_bench`'s short bursts (NOTES v43 (3)). Writes power.json under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import tempfile
 import time
 from datetime import datetime
 
@@ -68,8 +69,8 @@ def block_means(t0: float, t1: float, samples, skip_head=0.2, skip_tail=0.05):
 
 
 def summarize(blocks, samples) -> dict:
-    """{side: {ms, mhz, watts, joules, blocks}} from (side, t0, t1, ms per call) blocks: medians over each side's
-    blocks; joules = watts * ms / 1000 per block, then the median."""
+    """{side: {ms, mhz, watts, joules, blocks, samples}} from (side, t0, t1, ms per call) blocks: medians over each
+    side's blocks (joules = watts * ms / 1000 per block, then the median); samples: how many fell in the blocks."""
     per: dict = {}
     for side, t0, t1, ms in blocks:
         mhz, watts, used = block_means(t0, t1, samples)
@@ -107,8 +108,10 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
         for _ in range(3):
             fn()
     calls = {side: max(5, int(seconds * 1000 / _per_call_ms(fn))) for side, fn in fns.items()}
+    # to a file, not a pipe: a pipe's buffer (64 KB, about 25 s of samples) would fill and stall the sampling
+    log = tempfile.TemporaryFile(mode="w+")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
-                            "-lms", str(SAMPLE_MS)], stdout=subprocess.PIPE, text=True)
+                            "-lms", str(SAMPLE_MS)], stdout=log, text=True)
     try:
         time.sleep(0.5)
         blocks, order = [], list(fns)
@@ -126,7 +129,10 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
         time.sleep(0.2)
     finally:
         smi.terminate()
-        lines = smi.communicate()[0].splitlines()
+        smi.wait()
+        log.seek(0)
+        lines = log.read().splitlines()
+        log.close()
     return blocks, parse_samples(lines)
 
 
