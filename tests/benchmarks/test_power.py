@@ -2,11 +2,15 @@
 timing need a GPU and nvidia-smi."""
 
 import math
+import os
 import statistics
+import sys
+import time
 from datetime import datetime
 
 import pytest
 
+from benchmarks import power
 from benchmarks.power import block_means, parse_samples, summarize, table
 
 
@@ -45,3 +49,43 @@ def test_summary_takes_medians_per_side_and_energy_from_power_and_time():
     text = table([row])
     assert "| qwen3 | 4096 | fwd | mok | 0.850 | 1800 | 690 | 0.587 | 1.29 | 1.29 | 0.50 |" in text
     assert "| qwen3 | 4096 | fwd | hf+comp | 1.100 | 1400 | 690 | 0.759 | 1.00 | 1.00 | 0.39 |" in text
+
+
+class _HostEvent:
+    """A stand-in for torch.cuda.Event on the CPU: the host clock at record()."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000
+
+
+FAKE_SMI = '''#!{python}
+import datetime, sys, time
+while True:
+    print(datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3] + ", 1500, 690.00", flush=True)
+    time.sleep(0.02)
+'''
+
+
+def test_blocks_get_the_samples_taken_while_they_ran(tmp_path, monkeypatch):
+    """The sampling plumbing, with a stand-in nvidia-smi (one line per 20 ms) and host-clock events: every block
+    gets samples, and a side's ms per call is its calls' time."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(power.torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(power.torch.cuda, "synchronize", lambda: None)
+    fns = {"slow": lambda: time.sleep(0.004), "fast": lambda: time.sleep(0.002)}
+    blocks, samples = power.run_blocks(fns, seconds=0.25, rounds=2)
+    assert [side for side, *_ in blocks] == ["slow", "fast", "fast", "slow"]
+    s = power.summarize(blocks, samples)
+    assert s["slow"]["ms"] > s["fast"]["ms"] >= 2.0
+    for side in fns:
+        assert s[side]["blocks"] == 2 and s[side]["samples"] >= 4
+        assert s[side]["mhz"] == 1500.0 and s[side]["watts"] == 690.0
