@@ -92,7 +92,8 @@ def power_limit() -> str:
     return out.stdout.strip()
 
 
-def _per_call_ms(fn, calls=10) -> float:
+def _ms_per_call(fn, calls: int) -> float:
+    """GPU ms per call over `calls` back-to-back calls (CUDA events around them); returns once they have run."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
@@ -107,7 +108,7 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
     for fn in fns.values():
         for _ in range(3):
             fn()
-    calls = {side: max(5, int(seconds * 1000 / _per_call_ms(fn))) for side, fn in fns.items()}
+    calls = {side: max(5, int(seconds * 1000 / _ms_per_call(fn, 10))) for side, fn in fns.items()}
     # to a file, not a pipe: a pipe's buffer (64 KB, about 25 s of samples) would fill and stall the sampling
     log = tempfile.TemporaryFile(mode="w+")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
@@ -117,15 +118,10 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
         blocks, order = [], list(fns)
         for r in range(rounds):
             for side in (order if r % 2 == 0 else order[::-1]):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
                 t0 = time.time()
-                start.record()
-                for _ in range(calls[side]):
-                    fns[side]()
-                end.record()
-                torch.cuda.synchronize()
-                blocks.append((side, t0, time.time(), start.elapsed_time(end) / calls[side]))
+                ms = _ms_per_call(fns[side], calls[side])
+                blocks.append((side, t0, time.time(), ms))
         time.sleep(0.2)
     finally:
         smi.terminate()
@@ -158,7 +154,7 @@ def run_shape(name: str, T: int, phases, seconds: float, rounds: int, ceilings: 
     torch._dynamo.reset()
     block = build_block(family, sizes, overrides)
     runners = make_runners(family, block)
-    params = list(block.parameters())
+    params = [p for p in block.parameters() if p.requires_grad]  # as moe_layer's fwd+bwd steps
     x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         topk_ids = runners["mok"](x, with_ids=True)[1]
