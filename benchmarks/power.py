@@ -13,9 +13,10 @@ joules per call next to it.
 Per shape (`name:T`, a `benchmarks.moe_layer` shape; HF's block with random weights, the layer benchmark's input)
 and phase (fwd: no grad; fwd_bwd: forward and backward of the layer benchmark's loss): blocks of back-to-back calls
 of about `--seconds` each, the sides alternating (A B, B A, ...) over `--rounds`; nvidia-smi samples power and SM
-clock every 20 ms. A block's clock and power are the means of the samples in its middle (its first 20% and last 5%
-left out: the clock settles after a change of load). Sides: "hf+comp" (HF's block under torch.compile, inductor)
-and "mok" (the op called eagerly, as the layer table's mok column). Energy per call = mean power x GPU time per
+clock every 20 ms (power as `power.draw.instant` where the driver has it: `power_field`). A block's clock and power
+are the means of the samples in its middle (its first 20% and last 5% left out: the clock settles after a change of
+load). Sides: "hf+comp" (HF's block under torch.compile, inductor) and "mok" (the op called eagerly, as the layer
+table's mok column). Energy per call = mean power x GPU time per
 call (CUDA events over the block). The floor is the layer benchmark's (`moe_layer.floors`), from its two ceilings
 measured the same way, over blocks of back-to-back calls at the power limit (`sustained_ceilings`): a dense bf16
 matmul runs 8-17% slower there than in `do_bench`'s short bursts (NOTES v43 (3)). Writes power.json under --out.
@@ -38,13 +39,26 @@ from benchmarks.moe_layer import (SHAPES, _no_grad, build_block, floors, fwd_bwd
 
 SIDES = ("hf+comp", "mok")
 PHASES = ("fwd", "fwd_bwd")
-SMI_QUERY = "timestamp,clocks.sm,power.draw"
 SAMPLE_MS = 20
+
+
+def power_field() -> str:
+    """The nvidia-smi field to sample power from: `power.draw.instant` where the driver has it, else `power.draw`.
+    On Ampere and later `power.draw` is a mean over the last second, so in blocks of a second or less it mixes in
+    whatever ran before (a run of 0.5 s blocks on the H200 read 481-633 W where runs of 0.8 s blocks had read
+    686-695 W for the same calls at the same SM clocks, which are sampled instantly)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=power.draw.instant", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30)
+    try:
+        float(out.stdout.split("\n")[0])
+    except ValueError:
+        return "power.draw"
+    return "power.draw.instant"
 
 
 def parse_samples(lines) -> list[tuple[float, float, float]]:
     """(unix time, SM clock MHz, power W) of each well-formed line of `nvidia-smi --query-gpu=timestamp,clocks.sm,
-    power.draw --format=csv,noheader,nounits` (lines it could not parse, e.g. "[N/A]", are skipped)."""
+    <power field> --format=csv,noheader,nounits` (lines it could not parse, e.g. "[N/A]", are skipped)."""
     samples = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
@@ -111,8 +125,8 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
     calls = {side: max(5, int(seconds * 1000 / _ms_per_call(fn, 10))) for side, fn in fns.items()}
     # to a file, not a pipe: a pipe's buffer (64 KB, about 25 s of samples) would fill and stall the sampling
     log = tempfile.TemporaryFile(mode="w+")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits",
-                            "-lms", str(SAMPLE_MS)], stdout=log, text=True)
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu=timestamp,clocks.sm,{power_field()}",
+                            "--format=csv,noheader,nounits", "-lms", str(SAMPLE_MS)], stdout=log, text=True)
     try:
         time.sleep(0.5)
         blocks, order = [], list(fns)
@@ -197,7 +211,7 @@ def main():
     if unknown:
         raise SystemExit(f"--phases: unknown {', '.join(unknown)} (known: {', '.join(PHASES)})")
     shapes = parse_shapes(args.shapes)
-    print(f"GPU, power limit, max SM clock: {power_limit()}")
+    print(f"GPU, power limit, max SM clock: {power_limit()}; power sampled as {power_field()}")
     ceilings = sustained_ceilings(args.seconds, args.rounds)
     print("sustained ceilings: matmul {matmul_tflops:.0f} TFLOP/s at {matmul_mhz:.0f} MHz, {matmul_watts:.0f} W; copy "
           "{copy_tbps:.2f} TB/s at {copy_mhz:.0f} MHz, {copy_watts:.0f} W".format(**ceilings), flush=True)

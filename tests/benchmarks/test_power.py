@@ -66,6 +66,9 @@ class _HostEvent:
 
 FAKE_SMI = '''#!{python}
 import datetime, sys, time
+if "-lms" not in sys.argv:  # the power field probe
+    print("{instant}")
+    sys.exit(0)
 while True:
     print(datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3] + ", 1500, 690.00", flush=True)
     time.sleep(0.02)
@@ -76,7 +79,7 @@ def test_blocks_get_the_samples_taken_while_they_ran(tmp_path, monkeypatch):
     """The sampling plumbing, with a stand-in nvidia-smi (one line per 20 ms) and host-clock events: every block
     gets samples, and a side's ms per call is its calls' time."""
     smi = tmp_path / "nvidia-smi"
-    smi.write_text(FAKE_SMI.format(python=sys.executable))
+    smi.write_text(FAKE_SMI.format(python=sys.executable, instant="689.50"))
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(power.torch.cuda, "Event", _HostEvent)
@@ -89,3 +92,14 @@ def test_blocks_get_the_samples_taken_while_they_ran(tmp_path, monkeypatch):
     for side in fns:
         assert s[side]["blocks"] == 2 and s[side]["samples"] >= 4
         assert s[side]["mhz"] == 1500.0 and s[side]["watts"] == 690.0
+
+
+@pytest.mark.parametrize("probe, field", [("689.50", "power.draw.instant"), ("[N/A]", "power.draw")])
+def test_power_is_sampled_instantly_where_the_driver_can(tmp_path, monkeypatch, probe, field):
+    """`power.draw` is a one-second mean on Ampere and later; the instant field is taken where nvidia-smi gives a
+    number for it, and the near miss, a driver answering "[N/A]", falls back to `power.draw`."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(FAKE_SMI.format(python=sys.executable, instant=probe))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert power.power_field() == field
