@@ -35,9 +35,8 @@ def _set_engine(engine):
         os.environ["MOK_GEMM_ENGINE"] = engine
 
 
-def kernel_times(step, top=16, steps=3) -> dict:
-    """GPU ms per `step` of each kernel (torch.profiler over `steps` calls after 2 of warm-up), names cut to 60
-    characters, the `top` largest (all: top=None)."""
+def profiled(step, steps: int):
+    """torch.profiler (GPU activity) over `steps` calls of `step`, after 2 calls of warm-up."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -47,6 +46,13 @@ def kernel_times(step, top=16, steps=3) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(step, top=16, steps=3) -> dict:
+    """GPU ms per `step` of each kernel (torch.profiler over `steps` calls after 2 of warm-up), names cut to 60
+    characters, the `top` largest (all: top=None)."""
+    prof = profiled(step, steps)
     times = {}
     for ev in prof.key_averages():
         if ev.device_time_total > 0:

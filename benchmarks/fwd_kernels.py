@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from benchmarks.engines import kernel_times
+from benchmarks.engines import kernel_times, profiled
 from benchmarks.moe_layer import SHAPES, _no_grad, build_block, fwd_bwd, make_runners, write_json
 
 # Kernel names (as `kernel_times` cuts them) of the expert GEMMs: torch's CUTLASS grouped GEMM (HF's path and the
@@ -70,17 +70,9 @@ def launch_order(kernels: list[tuple[str, float, float]], calls: int) -> list[tu
 def profiled_order(step, calls=5) -> list[tuple[str, float]]:
     """One `step`'s GPU kernels in launch order with their mean ms (torch.profiler over `calls` steps after 2)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    kernels = [(e.name[:60], e.time_range.start, e.time_range.elapsed_us() / 1e3) for e in prof.events()
-               if e.device_type == DeviceType.CUDA]
+    kernels = [(e.name[:60], e.time_range.start, e.time_range.elapsed_us() / 1e3)
+               for e in profiled(step, calls).events() if e.device_type == DeviceType.CUDA]
     return launch_order(kernels, calls)
 
 
