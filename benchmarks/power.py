@@ -16,10 +16,10 @@ of about `--seconds` each, the sides alternating (A B, B A, ...) over `--rounds`
 clock every 20 ms (power as `power.draw.instant` where the driver has it: `power_field`). A block's clock and power
 are the means of the samples in its middle (its first 20% and last 5% left out: the clock settles after a change of
 load). Sides: "hf+comp" (HF's block under torch.compile, inductor) and "mok" (the op called eagerly, as the layer
-table's mok column). Energy per call = mean power x GPU time per
-call (CUDA events over the block). The floor is the layer benchmark's (`moe_layer.floors`), from its two ceilings
-measured the same way, over blocks of back-to-back calls at the power limit (`sustained_ceilings`): a dense bf16
-matmul runs 8-17% slower there than in `do_bench`'s short bursts (NOTES v43 (3)). Writes power.json under --out.
+table's mok column). Energy per call = mean power x GPU time per call (CUDA events over the block). The floor is the
+layer benchmark's (`moe_layer.floors`), from its two ceilings measured the same way, over blocks of back-to-back
+calls at the power limit (`sustained_ceilings`): a dense bf16 matmul runs 8-17% slower there than in `do_bench`'s
+short bursts (NOTES v43 (3)). Writes power.json under --out.
 """
 
 from __future__ import annotations
