@@ -52,7 +52,11 @@ def profiled(step, steps: int):
 def kernel_times(step, top=16, steps=3) -> dict:
     """GPU ms per `step` of each kernel (torch.profiler over `steps` calls after 2 of warm-up), names cut to 60
     characters, the `top` largest (all: top=None)."""
-    prof = profiled(step, steps)
+    return per_kernel_ms(profiled(step, steps), steps, top)
+
+
+def per_kernel_ms(prof, steps: int, top=16) -> dict:
+    """`kernel_times` from a profile of `steps` calls: ms per call of each kernel name, the `top` largest."""
     times = {}
     for ev in prof.key_averages():
         if ev.device_time_total > 0:

@@ -4,7 +4,7 @@
         [--order] [--out DIR]
 
 For each shape (`name:T`: the layer benchmark's block and random tokens): GPU ms per no-grad forward (or per
-forward + backward, `--phase fwd_bwd`, the layer benchmark's step) of each kernel (`engines.kernel_times`:
+forward + backward, `--phase fwd_bwd`, the layer benchmark's step) of each kernel (`engines.per_kernel_ms`:
 torch.profiler over 5 calls after 2 of warm-up), compiled HF and the op in alternating blocks, each block's total
 split into the expert GEMMs and all other work, and the largest other kernels. Why: where both sides run the same
 GEMMs (CUTLASS's grouped GEMM, Mixtral from 512 rows per expert), a layer ratio near 1.0 is decided by the other
@@ -20,17 +20,18 @@ import argparse
 
 import torch
 
-from benchmarks.engines import kernel_times, profiled
+from benchmarks.engines import per_kernel_ms, profiled
 from benchmarks.moe_layer import SHAPES, _no_grad, build_block, fwd_bwd, make_runners, write_json
 
-# Kernel names (as `kernel_times` cuts them) of the expert GEMMs: torch's CUTLASS grouped GEMM (HF's path and the
-# op's CUTLASS stages), the op's Triton grouped GEMM and its Hopper CUDA gate_up. The router's GEMM (cuBLAS) is
-# other work, on both sides.
+# Kernel names (as `engines.per_kernel_ms` cuts them) of the expert GEMMs: torch's CUTLASS grouped GEMM (HF's path
+# and the op's CUTLASS stages), the op's Triton grouped GEMM and its Hopper CUDA gate_up. The router's GEMM (cuBLAS)
+# is other work, on both sides.
 EXPERT_GEMM_MARKERS = ("cutlass", "_grouped_gemm_kernel", "gate_up_kernel")
 # The backward's expert GEMMs besides those: the op's fused gate_up backward (g2 = go @ W2^T with h recomputed and
 # the activation's derivative in its epilogue) and its weight-gradient kernels (Triton's and the CUDA one).
 BACKWARD_GEMM_MARKERS = EXPERT_GEMM_MARKERS + ("_gate_up_bwd_kernel", "wgrad_kernel")
 SIDES = ("hf+comp", "mok")
+CALLS = 5  # profiled calls per block
 
 
 def parse_shapes(text: str) -> list[tuple[str, int]]:
@@ -67,12 +68,12 @@ def launch_order(kernels: list[tuple[str, float, float]], calls: int) -> list[tu
     return [(name, sum(call[i][2] for call in per_call) / calls) for i, name in enumerate(names)]
 
 
-def profiled_order(step, calls=5) -> list[tuple[str, float]]:
-    """One `step`'s GPU kernels in launch order with their mean ms (torch.profiler over `calls` steps after 2)."""
+def kernels_in_order(prof, calls: int) -> list[tuple[str, float]]:
+    """One call's GPU kernels in launch order with their mean ms, from a profile of `calls` identical calls."""
     from torch.autograd import DeviceType
 
     kernels = [(e.name[:60], e.time_range.start, e.time_range.elapsed_us() / 1e3)
-               for e in profiled(step, calls).events() if e.device_type == DeviceType.CUDA]
+               for e in prof.events() if e.device_type == DeviceType.CUDA]
     return launch_order(kernels, calls)
 
 
@@ -88,17 +89,19 @@ def run_shape(name: str, T: int, blocks: int, phase: str = "fwd", order: bool = 
         params = [p for p in block.parameters() if p.requires_grad]
         x.requires_grad_()
         steps, markers = {side: fwd_bwd(runners[side], x, params) for side in SIDES}, BACKWARD_GEMM_MARKERS
-    rows = []
+    rows, seq = [], None
     for b in range(blocks):
         for side in SIDES if b % 2 == 0 else SIDES[::-1]:
+            prof = profiled(steps[side], CALLS)
             row = dict(shape=name, T=T, phase=phase, block=b, side=side,
-                       **split_gemms(kernel_times(steps[side], top=None, steps=5), markers))
+                       **split_gemms(per_kernel_ms(prof, CALLS, top=None), markers))
             others = ", ".join(f"{k} {v:.3f}" for k, v in list(row["other_kernels"].items())[:6])
             print(f"| {name} | {T} | {b} | {side} | {row['busy_ms']:.3f} | {row['gemm_ms']:.3f} | "
                   f"{row['other_ms']:.3f} | {others} |", flush=True)
             rows.append(row)
-    if order:
-        seq = profiled_order(steps["mok"])
+            if order and side == "mok" and seq is None:  # from the first block's profile, not a profile of its own
+                seq = kernels_in_order(prof, CALLS)
+    if seq is not None:
         print(f"mok {name} T={T} {phase}, kernels in launch order (ms): "
               + "; ".join(f"{k} {ms:.3f}" for k, ms in seq), flush=True)
         rows.append(dict(shape=name, T=T, phase=phase, side="mok", launch_order=seq))
