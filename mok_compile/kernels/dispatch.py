@@ -9,8 +9,9 @@ gradients) runs over the same rows in the same order on every run.
     scan         -> expert_count [E], expert_start [E], expert_end [E], chunk_offset [n_chunks, BLOCK_E]
     scatter      -> sorted_pair [T*K] (pair at each sorted position), pair_pos [T*K] (inverse)
 
-Each expert's rows are contiguous and unpadded; a grouped GEMM derives its
-(expert, row block) from `expert_count` alone, so any BLOCK_M works.
+Each expert's rows are contiguous and unpadded; a grouped GEMM cuts them into row blocks of its BLOCK_M
+(any BLOCK_M works) and reads each block's expert and rows from `Dispatch.block_table(BLOCK_M)`, built once
+per call and block height from `expert_count` (one small launch).
 `combine` sums the K rows of each token in slot order (fixed, no atomics).
 
 The five arrays are views of one int32 buffer, `Dispatch.layout` (`layout_size` entries): the training
@@ -93,6 +94,35 @@ def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, p
         place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
 
 
+def grid_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Row blocks a grouped GEMM's grid provides for: each expert wastes at most one partial block."""
+    return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+@triton.jit
+def _block_table_kernel(expert_count_ptr, expert_start_ptr, table_ptr, num_rows, E, BLOCK_M: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row blocks r of this program: table[r] = (expert, first row, end of the expert's rows, 0), the experts'
+    blocks in expert order; expert = E past the last block."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_E)
+    cmask = cols < E
+    nblk = (tl.load(expert_count_ptr + cols, mask=cmask, other=0) + BLOCK_M - 1) // BLOCK_M
+    # Experts all of whose blocks come before block r: a prefix of the experts (the running block count grows).
+    done = (tl.cumsum(nblk, axis=0)[None, :] <= r[:, None]) & cmask[None, :]
+    e = tl.sum(done.to(tl.int32), axis=1)
+    before = tl.sum(tl.where(done, nblk[None, :], 0), axis=1)
+    rmask = r < num_rows
+    hit = rmask & (e < E)
+    start = tl.load(expert_start_ptr + e, mask=hit, other=0)
+    end = start + tl.load(expert_count_ptr + e, mask=hit, other=0)
+    row = table_ptr + r * 4
+    tl.store(row, e, mask=rmask)
+    tl.store(row + 1, tl.where(hit, start + (r - before) * BLOCK_M, 0), mask=rmask)
+    tl.store(row + 2, end, mask=rmask)
+    tl.store(row + 3, tl.zeros_like(e), mask=rmask)
+
+
 def _aligned_len(n: int) -> int:
     """n int32 entries rounded up to 16 bytes, so that every array of a layout starts 16-byte aligned, as a
     tensor of its own would (Triton specialises pointer arguments on that alignment)."""
@@ -155,7 +185,26 @@ class Dispatch:
         disp._view(layout, num_experts, top_k, num_pairs)
         return disp
 
+    def block_table(self, block_m: int) -> torch.Tensor:
+        """[grid_rows, 4] int32: row block r's (expert, first row, end of its expert's rows, 0) at block height
+        `block_m`, built on the first request for that height (and kept on this Dispatch). A grouped GEMM reads
+        its block's entry instead of working it out from all experts' counts in each program: 2-6% of the
+        Triton GEMMs' time at the layer shapes (NOTES v45 (1))."""
+        table = self._tables.get(block_m)
+        if table is None:
+            E = self.num_experts
+            rows = grid_rows(self.num_pairs, E, block_m)
+            table = self._tables[block_m] = torch.empty((rows, 4), dtype=torch.int32, device=self.layout.device)
+            if rows:
+                block_e = next_power_of_2(max(E, 2))
+                block_r = max(1, min(64, 8192 // block_e))
+                launcher(_block_table_kernel)[(cdiv(rows, block_r),)](
+                    self.expert_count, self.expert_start, table, rows, E, BLOCK_M=block_m, BLOCK_R=block_r,
+                    BLOCK_E=block_e, num_warps=4)
+        return table
+
     def _view(self, layout, num_experts, top_k, num_pairs):
+        self._tables = {}
         self.layout = layout
         self.num_experts, self.top_k, self.num_pairs = num_experts, top_k, num_pairs
         e, p = _aligned_len(num_experts), _aligned_len(num_pairs)

@@ -1,7 +1,8 @@
 """Grouped GEMMs over the expert-sorted pairs (see `dispatch.py` for the layout).
 
 Three kernels, each with an upper-bound grid whose surplus programs exit at once
-(the real number of row blocks depends on routing, which the host never reads):
+(the real number of row blocks depends on routing, which the host never reads). The grouped GEMMs read
+their row block's expert and rows from `Dispatch.block_table` (built once per call and block height).
 
 - `_grouped_gemm_kernel`: C[rows] = A[rows] @ W[e] for the row block's expert e,
   A optionally gathered by token (the dispatch gather fused into the A loads).
@@ -38,19 +39,11 @@ from .activation import _r, act_backward, act_forward, act_value_fp32
 
 
 @triton.jit
-def _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, first row, end row) of row block pid_m; expert == E for surplus programs."""
-    cols = tl.arange(0, BLOCK_E)
-    cmask = cols < E
-    cnt = tl.load(expert_count_ptr + cols, mask=cmask, other=0)
-    nblk = (cnt + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(nblk, axis=0)
-    e = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
-    sel = cols == e
-    first = tl.sum(tl.where(sel, cum - nblk, 0), axis=0)
-    count = tl.sum(tl.where(sel, cnt, 0), axis=0)
-    start = tl.sum(tl.where(sel, tl.load(expert_start_ptr + cols, mask=cmask, other=0), 0), axis=0)
-    return e, start + (pid_m - first) * BLOCK_M, start + count
+def _block_of(block_table_ptr, pid_m):
+    """(expert, first row, end row) of row block pid_m from `Dispatch.block_table`; expert == E for surplus
+    programs."""
+    entry = block_table_ptr + 4 * pid_m
+    return tl.load(entry), tl.load(entry + 1), tl.load(entry + 2)
 
 
 @triton.jit
@@ -175,12 +168,12 @@ def _tile_rows(sorted_pair_ptr, row0, row_end, BM: tl.constexpr):
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, expert_count_ptr, expert_start_ptr,
+    a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, block_table_ptr,
     N, KD, E, stride_am, stride_be, stride_bk, stride_bn, stride_bias_e, stride_cm,
     col_mul, up_off, alpha, limit,
     TOPK: tl.constexpr, A_GATHER: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     scale_ptr=None, dot_ptr=None, dw_part_ptr=None, stride_dot=None, TK=None,
     A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
     STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
@@ -196,7 +189,7 @@ def _grouped_gemm_kernel(
     HALF_TAIL: a block of at most BLOCK_M // 2 rows (an expert's last) runs at that height (module doc).
     GROUP_M: programs walk the tiles GROUP_M row blocks at a time (`_tile_of`)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), N, BLOCK_N, GROUP_M)
-    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, row0, row_end = _block_of(block_table_ptr, pid_m)
     if e >= E:
         return
     if HALF_TAIL and row_end - row0 <= BLOCK_M // 2:
@@ -276,13 +269,12 @@ def _gemm_tile(a_ptr, sorted_pair_ptr, b_ptr, bias_ptr, c_ptr, e, row0, row_end,
 
 @triton.jit
 def _gate_up_bwd_kernel(
-    x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_ptr, act_ptr, dw_part_ptr,
-    expert_count_ptr, expert_start_ptr,
+    x_ptr, sorted_pair_ptr, w_ptr, w1_ptr, b1_ptr, g2_ptr, dh_ptr, act_ptr, dw_part_ptr, block_table_ptr,
     I, H, E, TK, stride_xm, stride_w1e, stride_w1k, stride_w1n, stride_b1e, stride_g2m, stride_dhm, stride_am,
     col_mul, up_off, alpha, limit,
     TOPK: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, WOI: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
+    WOI: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 8,
 ):
     """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
@@ -294,7 +286,7 @@ def _gate_up_bwd_kernel(
     dh = act'(h) * g2, act(h) is stored unscaled and no dw_part is written (d w comes from dgrad).
     HALF_TAIL, GROUP_M: as in `_grouped_gemm_kernel`."""
     pid_m, pid_n = _tile_of(tl.program_id(0), I, BLOCK_N, GROUP_M)
-    e, row0, row_end = _expert_of_block(expert_count_ptr, expert_start_ptr, pid_m, E, BLOCK_M, BLOCK_E)
+    e, row0, row_end = _block_of(block_table_ptr, pid_m)
     if e >= E:
         return
     if HALF_TAIL and row_end - row0 <= BLOCK_M // 2:

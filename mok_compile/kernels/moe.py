@@ -55,9 +55,9 @@ from ..ops.library import check_inputs
 from ..ops.spec import with_defaults
 from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, plan, router_gemm, wgrad_sm90
 from .activation import activation_code
-from .dispatch import Dispatch, combine, layout_size
+from .dispatch import Dispatch, combine, grid_rows, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
-from .launch import cdiv, launcher, next_power_of_2
+from .launch import cdiv, launcher
 from .routing import route, route_backward
 
 
@@ -122,11 +122,6 @@ def _gate_up_columns(I, kw):
     return (2, 1) if kw["interleaved"] else (1, I)
 
 
-def _grid_rows(num_pairs, E, block_m):
-    """Upper bound on the row blocks over all experts: each expert wastes at most one partial block."""
-    return cdiv(num_pairs, block_m) + min(E, num_pairs)
-
-
 def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_mul, up_off, kw, cfg, precision,
           a_scale=None, dw_dot=None, dw_parts=None, h_out=None):
     """One grouped GEMM launch. `a_scale` [T*K]: scale each (gathered) A row by its pair's weight;
@@ -135,7 +130,7 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
     `h_out` [T*K, 2I or I]: also store the gate_up product before bias and activation (STORE_H)."""
     cfg = dict(cfg)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (_grid_rows(disp.num_pairs, disp.num_experts, bm) * cdiv(n, bn),)
+    grid = (grid_rows(disp.num_pairs, disp.num_experts, bm) * cdiv(n, bn),)
     extra = {}
     if a_scale is not None:
         extra.update(scale_ptr=a_scale, A_SCALE=True)
@@ -159,13 +154,13 @@ def _gemm(a, disp, w, strides_kn, bias, out, *, n, kd, gather, gated, act, col_m
         if desc is not None:
             extra.update(b_desc=desc, B_KN=strides_kn[1] == 1, B_BLOCKED=gate_up_box is not None)
     launcher(_grouped_gemm_kernel)[grid](
-        a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.expert_count, disp.expert_start,
-        n, kd, disp.num_experts, a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
+        a, disp.sorted_pair, w, bias if bias is not None else w, out, disp.block_table(bm), n, kd, disp.num_experts,
+        a.stride(0), w.stride(0), strides_kn[0], strides_kn[1],
         bias.stride(0) if bias is not None else 0, out.stride(0), col_mul, up_off,
         float(kw["alpha"]), float(kw["limit"]),
         TOPK=disp.top_k, A_GATHER=gather, GATED=gated, INTERLEAVED=gated and col_mul == 2, ACT=act,
         HAS_BIAS=bias is not None, PRECISION=precision,
-        BLOCK_E=next_power_of_2(max(disp.num_experts, 2)), **cfg, **extra,
+        **cfg, **extra,
     )
 
 
@@ -576,15 +571,15 @@ def _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, do
     dw_parts = torch.empty((1, 1) if woi else (n_parts, TK), dtype=torch.float32, device=x.device)
     dh = torch.empty((TK, (2 if gated else 1) * I), dtype=x.dtype, device=x.device)
     act_w = torch.empty((TK, I), dtype=x.dtype, device=x.device)  # w * act(h), per pair row
-    grid = (_grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
+    grid = (grid_rows(TK, E, cfg["BLOCK_M"]) * n_parts,)
     launcher(_gate_up_bwd_kernel)[grid](
         x, disp.sorted_pair, w_flat, gate_up_proj, gate_up_bias if gate_up_bias is not None else x, g2, dh, act_w,
-        dw_parts, disp.expert_count, disp.expert_start, I, x.shape[1], E, TK, x.stride(0), gate_up_proj.stride(0),
+        dw_parts, disp.block_table(cfg["BLOCK_M"]), I, x.shape[1], E, TK, x.stride(0), gate_up_proj.stride(0),
         *w1_kn_strides, gate_up_bias.stride(0) if gate_up_bias is not None else 0, g2.stride(0), dh.stride(0),
         act_w.stride(0), col_mul, up_off, float(kw["alpha"]), float(kw["limit"]),
         TOPK=disp.top_k, GATED=gated, INTERLEAVED=gated and kw["interleaved"], ACT=act_code,
         HAS_BIAS=gate_up_bias is not None,
-        PRECISION=precision, BLOCK_E=next_power_of_2(max(E, 2)), **cfg, **({"WOI": True} if woi else {}),
+        PRECISION=precision, **cfg, **({"WOI": True} if woi else {}),
         **({"B_BLOCKED": True} if _blocked_b(gated, col_mul, w1_kn_strides) else {}),
         **({"HALF_TAIL": True} if configs.half_tail(cfg["BLOCK_M"]) else {}),
     )

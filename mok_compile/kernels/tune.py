@@ -152,17 +152,18 @@ class _Problem:
         elif kernel == "bwd_gate_up":
             import triton
 
+            from .dispatch import grid_rows
             from .grouped_gemm import _gate_up_bwd_kernel
 
             TK = self.T * K
             parts = torch.empty(triton.cdiv(I, cfg["BLOCK_N"]), TK, device="cuda")
             w1k, w1n = m._gate_up_strides(self.w1, False)
-            grid = (m._grid_rows(TK, E, cfg["BLOCK_M"]) * parts.shape[0],)
+            grid = (grid_rows(TK, E, cfg["BLOCK_M"]) * parts.shape[0],)
             _gate_up_bwd_kernel[grid](
                 self.x, self.disp.sorted_pair, self.w.reshape(-1), self.w1, self.x, self.act, self.dh, self.act2,
-                parts, self.disp.expert_count, self.disp.expert_start, I, H, E, TK, H, self.w1.stride(0), w1k, w1n,
+                parts, self.disp.block_table(cfg["BLOCK_M"]), I, H, E, TK, H, self.w1.stride(0), w1k, w1n,
                 0, I, 2 * I, I, 1, I, 1.702, 7.0, TOPK=K, GATED=True, INTERLEAVED=False, ACT=1, HAS_BIAS=False, PRECISION="ieee",
-                BLOCK_E=triton.next_power_of_2(E), **cfg)
+                **cfg)
 
 
 def _bucket_of(shape) -> str:

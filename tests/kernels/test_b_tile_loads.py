@@ -21,11 +21,11 @@ def _gate_up_kernel(interleaved, b_kn, blocked, tma=False, store_h=False, half_t
     # As a real launch specialises them: the contiguous weight stride is 1, pointers and strides 16-aligned.
     unit = "stride_bn" if b_kn else "stride_bk"
     consts = dict(TOPK=2, A_GATHER=True, GATED=True, INTERLEAVED=interleaved, ACT=1, HAS_BIAS=False,
-                  PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=16, A_SCALE=False, DW_DOT=False,
+                  PRECISION="ieee", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_SCALE=False, DW_DOT=False,
                   STORE_H=store_h, B_KN=tma and b_kn, B_BLOCKED=blocked, dot_ptr=None, dw_part_ptr=None,
                   stride_dot=None, TK=None, scale_ptr=None, HALF_TAIL=half_tail, **{unit: 1})
     types = {n: "*bf16" for n in ("a_ptr", "b_ptr", "bias_ptr", "c_ptr", "h_ptr")}
-    types.update({n: "*i32" for n in ("sorted_pair_ptr", "expert_count_ptr", "expert_start_ptr")})
+    types.update({n: "*i32" for n in ("sorted_pair_ptr", "block_table_ptr")})
     types.update(alpha="fp32", limit="fp32")
     strides = ("stride_am", "stride_be", "stride_bk", "stride_bn", "stride_bias_e", "stride_cm", "stride_hm")
     types.update({n: "i64" for n in strides})
@@ -47,9 +47,9 @@ def _gate_up_bwd_kernel(half_tail=False, block=(64, 64, 64), **options):
 
     bm, bn, bk = block
     consts = dict(TOPK=2, GATED=True, INTERLEAVED=False, ACT=1, HAS_BIAS=False, PRECISION="ieee", BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=16, WOI=False, B_BLOCKED=False, HALF_TAIL=half_tail, stride_w1k=1)
+                  BLOCK_N=bn, BLOCK_K=bk, WOI=False, B_BLOCKED=False, HALF_TAIL=half_tail, stride_w1k=1)
     types = {n: "*bf16" for n in ("x_ptr", "w_ptr", "w1_ptr", "b1_ptr", "g2_ptr", "dh_ptr", "act_ptr")}
-    types.update({n: "*i32" for n in ("sorted_pair_ptr", "expert_count_ptr", "expert_start_ptr")})
+    types.update({n: "*i32" for n in ("sorted_pair_ptr", "block_table_ptr")})
     types.update(dw_part_ptr="*fp32", alpha="fp32", limit="fp32")
     strides = ("stride_xm", "stride_w1e", "stride_w1k", "stride_w1n", "stride_b1e", "stride_g2m", "stride_dhm",
                "stride_am")
