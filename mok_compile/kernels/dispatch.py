@@ -161,6 +161,7 @@ class Dispatch:
 
     def sort(self, topk_ids, chunk_counts, block_t):
         """Write the arrays: scan the chunk counts, then scatter each pair to its sorted position."""
+        self._tables.clear()  # block tables of earlier counts
         T, K = topk_ids.shape
         n_chunks, block_e = chunk_counts.shape
         num_experts = self.num_experts
