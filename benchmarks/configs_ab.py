@@ -3,11 +3,9 @@ one process, at layer shapes.
 
     python -m benchmarks.configs_ab OLD.json NEW.json [--shapes deepseek_v3:4096,qwen3:2048] [--rounds 3]
     python -m benchmarks.configs_ab engine:auto engine:sorted=triton [--shapes qwen3:4096]
-    python -m benchmarks.configs_ab pdl:off pdl:on [--shapes qwen3:256]
 
 A side `engine:VALUE` runs the committed table with MOK_GEMM_ENGINE=VALUE (`engine:auto`: the built-in choice,
-`configs.engine`), for moving an engine threshold (NOTES v27 (3)). A side `pdl:on` / `pdl:off` runs the committed
-table with programmatic dependent launch on or off (`kernels/pdl.py`).
+`configs.engine`), for moving an engine threshold (NOTES v27 (3)).
 
 The tuner (`mok_compile.kernels.tune`) times each kernel alone, on its own routing (ungrouped, over a random
 router). A table it picks can lose in the layer, whose routing puts rows into row blocks differently (NOTES v23
@@ -31,7 +29,7 @@ import torch
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
 from benchmarks.moe_layer import SHAPES, bench, build_block, fwd_bwd, graphed
 from mok_compile import hf_blocks
-from mok_compile.kernels import configs, moe, pdl
+from mok_compile.kernels import configs, moe
 
 
 def use_table(path: str):
@@ -45,23 +43,18 @@ def use_table(path: str):
 
 _COMMITTED = configs._JSON
 _ENGINE_AT_START = os.environ.get("MOK_GEMM_ENGINE")
-_PDL_AT_START = pdl.enabled
 
 
 def use_side(side: str):
     """One side of the A/B from now on: `engine:VALUE` (the committed table, MOK_GEMM_ENGINE=VALUE, `auto` unset),
-    `pdl:on` / `pdl:off` (the committed table, PDL on or off), else a table's path (MOK_GEMM_ENGINE and PDL as the
-    process started with them)."""
+    else a table's path (MOK_GEMM_ENGINE as the process started with it)."""
     kind, _, value = side.partition(":")
-    if kind == "pdl" and value not in ("on", "off"):
-        raise ValueError(f"side {side!r}: pdl:on or pdl:off")
-    pdl.enabled = value == "on" if kind == "pdl" else _PDL_AT_START
     engine = value if kind == "engine" else _ENGINE_AT_START
     if engine is None or engine == "auto":
         os.environ.pop("MOK_GEMM_ENGINE", None)
     else:
         os.environ["MOK_GEMM_ENGINE"] = engine
-    use_table(_COMMITTED if kind in ("engine", "pdl") else side)
+    use_table(_COMMITTED if kind == "engine" else side)
 
 
 def compare(name: str, T: int, sides: dict, rounds: int) -> dict:
@@ -101,9 +94,8 @@ def compare(name: str, T: int, sides: dict, rounds: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("a", help="a configs.json (e.g. the committed one), engine:VALUE or pdl:on|off")
-    ap.add_argument("b", help="another configs.json (e.g. the tuner's output merged into a copy), engine:VALUE or "
-                              "pdl:on|off")
+    ap.add_argument("a", help="a configs.json (e.g. the committed one), or engine:VALUE")
+    ap.add_argument("b", help="another configs.json (e.g. the tuner's output merged into a copy), or engine:VALUE")
     ap.add_argument("--shapes", default="deepseek_v3:4096,qwen3:2048,qwen3:4096",
                     help="comma-separated name:T, names from benchmarks.moe_layer.SHAPES")
     ap.add_argument("--rounds", type=int, default=3)

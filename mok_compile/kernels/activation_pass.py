@@ -18,7 +18,6 @@ import triton.language as tl
 
 from .activation import _r, act_backward, act_forward, act_value_fp32
 from .launch import cdiv, launcher
-from .pdl import wait_prior
 
 
 @triton.jit
@@ -62,9 +61,8 @@ def _bias_rows(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_B
 def _activation_rows_kernel(h_ptr, sorted_pair_ptr, ids_ptr, bias_ptr, out_ptr, TK, I, stride_h, stride_out,
                             stride_be, col_mul, up_off, alpha, limit, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                             ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK_N: tl.constexpr):
     """out[r, n] = act(gate (+ b), up (+ b)) rounded op by op as the Triton gate_up epilogue does."""
-    wait_prior(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -84,11 +82,10 @@ def _activation_bwd_rows_kernel(h_ptr, g2_ptr, w_ptr, sorted_pair_ptr, ids_ptr, 
                                 dw_part_ptr, TK, I, stride_h, stride_g2, stride_dh, stride_act, stride_be, col_mul,
                                 up_off, alpha, limit, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
                                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                                BLOCK_N: tl.constexpr):
     """The epilogue of the Triton `_gate_up_bwd_kernel` as its own pass over the stored h:
     dw_part[pid_n, r] = sum_n g2 * act(h), dh = act'(h) * (w * g2), act_w = w * act(h).
     Each program reads its tile before writing the same tile, so dh may alias h and act_w g2."""
-    wait_prior(PDL)
     pid_n = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = pid_n * BLOCK_N

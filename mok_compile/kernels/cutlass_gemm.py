@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
-from .pdl import wait_prior
 
 
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -57,10 +56,9 @@ _SPREAD_ROWS = 4  # x rows per program of the spread (each written K times)
 
 @triton.jit
 def _spread_rows_kernel(x_ptr, pair_pos_ptr, scale_ptr, out_ptr, T, H, stride_x, stride_out, K: tl.constexpr,
-                        SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                        SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[pair_pos[t * K + k]] = x[t] (SCALE: (x[t] * scale[t * K + k]).to(out dtype), rounded once from
     fp32) for every slot k: each x row is read once and written K times."""
-    wait_prior(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     rmask = rows < T
@@ -105,9 +103,8 @@ def wgrad(p, q, disp):
 @triton.jit
 def _segment_sum_kernel(src_ptr, sorted_pair_ptr, scale_ptr, out_ptr, expert_start_ptr, expert_count_ptr, N,
                         stride_src, stride_oe, TOPK: tl.constexpr, GATHER: tl.constexpr, SCALE: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[e, n] = sum over expert e's sorted rows r, in order, of s_r * src[row(r), n] (fp32)."""
-    wait_prior(PDL)
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
-from .pdl import wait_prior
 from .routing import place_pairs, routing_block, routing_warps
 
 
@@ -45,9 +44,7 @@ def _chunk_hits(ids_ptr, pid, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PDL: tl.constexpr = False):
-    wait_prior(PDL)
+def _count_kernel(ids_ptr, counts_ptr, T, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
     _, _, cols, hits = _chunk_hits(ids_ptr, pid, T, K, BLOCK_T, BLOCK_E)
     tl.store(counts_ptr + pid * BLOCK_E + cols, tl.sum(hits, axis=0))
@@ -65,9 +62,8 @@ def count_chunks(topk_ids, num_experts, block_t, block_e):
 
 @triton.jit
 def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, expert_end_ptr, n_chunks, E,
-                 BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program: prefix sums over chunks (per expert) and over experts."""
-    wait_prior(PDL)
     cols = tl.arange(0, BLOCK_E)
     running = tl.zeros((BLOCK_E,), tl.int32)
     for c0 in range(0, n_chunks, BLOCK_C):
@@ -86,9 +82,8 @@ def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, 
 
 @triton.jit
 def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, pair_pos_ptr, T, E,
-                    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+                    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """Position of pair (t, k) = start[e] + pairs of e in earlier chunks + earlier tokens of this chunk."""
-    wait_prior(PDL)
     pid = tl.program_id(0)
     rows, rmask, cols, hits = _chunk_hits(ids_ptr, pid, T, K, BLOCK_T, BLOCK_E)
     # A token picks each expert at most once, so earlier pairs of the same expert are earlier tokens.
@@ -106,10 +101,9 @@ def grid_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _block_table_kernel(expert_count_ptr, expert_start_ptr, table_ptr, num_rows, E, BLOCK_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
     """Row blocks r of this program: table[r] = (expert, first row, end of the expert's rows, 0), the experts'
     blocks in expert order; expert = E past the last block."""
-    wait_prior(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_E)
     cmask = cols < E
@@ -226,10 +220,9 @@ class Dispatch:
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, stride_extra, stride_out,
                     K: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCT: tl.constexpr, HAS_EXTRA: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_be=None,
-                    HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
+                    HAS_BIAS: tl.constexpr = False):
     """HAS_BIAS: y rows are expert outputs without their bias; add bias[ids[t, k]] (rounded, as the
     GEMM epilogue would) before weighting."""
-    wait_prior(PDL)
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from .activation import _r, act_backward, act_forward, act_value_fp32
-from .pdl import wait_prior
 
 
 @triton.jit
@@ -179,7 +178,6 @@ def _grouped_gemm_kernel(
     A_SCALE: tl.constexpr = False, DW_DOT: tl.constexpr = False, h_ptr=None, stride_hm=None,
     STORE_H: tl.constexpr = False, b_desc=None, B_KN: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 8,
-    PDL: tl.constexpr = False,
 ):
     """C = A @ W[e] per row block (see module doc). Weight on input (Llama4) adds two flags:
     A_SCALE: A rows are scaled by scale[pair] (rounded to A's dtype) in the loads (forward gate_up);
@@ -190,7 +188,6 @@ def _grouped_gemm_kernel(
     b_desc: B through TMA (`_mainloop_tma`); b_ptr and its strides are then unused.
     HALF_TAIL: a block of at most BLOCK_M // 2 rows (an expert's last) runs at that height (module doc).
     GROUP_M: programs walk the tiles GROUP_M row blocks at a time (`_tile_of`)."""
-    wait_prior(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), N, BLOCK_N, GROUP_M)
     e, row0, row_end = _block_of(block_table_ptr, pid_m)
     if e >= E:
@@ -279,7 +276,6 @@ def _gate_up_bwd_kernel(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WOI: tl.constexpr = False, B_BLOCKED: tl.constexpr = False,
     HALF_TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 8,
-    PDL: tl.constexpr = False,
 ):
     """Recomputes h = x[t] @ W1[e] (+ b1) for a row block and I-tile (h is never stored), then with
     g2 = go[t] @ W2[e]^T (d expert output before the routing weight, from the previous launch):
@@ -289,7 +285,6 @@ def _gate_up_bwd_kernel(
     WOI (weight on input): h = (x[t] * w).to(x.dtype) @ W1[e]; the output is not weighted, so
     dh = act'(h) * g2, act(h) is stored unscaled and no dw_part is written (d w comes from dgrad).
     HALF_TAIL, GROUP_M: as in `_grouped_gemm_kernel`."""
-    wait_prior(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), I, BLOCK_N, GROUP_M)
     e, row0, row_end = _block_of(block_table_ptr, pid_m)
     if e >= E:
@@ -369,7 +364,6 @@ def _wgrad_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, Q_SCALE: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False, c_desc=None,
-    PDL: tl.constexpr = False,
 ):
     """C[e, p, q] = sum over expert e's rows r (in sorted order) of P[r, p] * Q[r, q];
     P/Q rows are gathered by token where flagged; dbias[e, p] = sum_r s_r P[r, p] (s_r the pair's
@@ -377,7 +371,6 @@ def _wgrad_kernel(
     Q_SCALE (weight on input, dW1): Q rows are (Q[r] * scale[pair]).to(Q's dtype), the expert's input.
     One output tile per program, or with PERSISTENT tiles i, i + num_programs, ... (one resident wave of
     programs). `c_desc` (Hopper, `moe._wgrad`): C tiles are stored through TMA, asynchronously."""
-    wait_prior(PDL)
     if PERSISTENT:  # a loop in the one-tile launch made its plain stores 20-30% slower (NOTES v37)
         for tile in range(tl.program_id(0), E * tl.cdiv(P, BLOCK_P) * tl.cdiv(Q, BLOCK_Q), num_programs):
             _wgrad_output_tile(

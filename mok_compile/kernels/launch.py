@@ -27,8 +27,6 @@ import torch
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import pdl
-
 _MAX_ENTRIES = 4096  # per kernel; a key holds sizes (T among them), so serving with many T grows it
 
 # MOK_FAST_LAUNCH=0 (read at import) or `launch.fast_launch = False`: every launch through Triton's own path.
@@ -63,15 +61,11 @@ class Launcher:
         self._defaults = [p.default if p.has_default else _MISSING for p in params]
         self._layouts = {}
         self._kernels = {}
-        self._pdl = "PDL" in self._names  # the kernel takes part in programmatic dependent launch (pdl.py)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
     def run(self, grid, args, kwargs):
-        if self._pdl and self._direct and pdl.use_pdl(torch._C._cuda_getDevice()):
-            kwargs["PDL"] = True
-            kwargs["launch_pdl"] = True
         if not (fast_launch and self._direct) or self.fn.pre_run_hooks or _hooks_set():
             if getattr(local, "recording", None) is not None:
                 local.recording.on_triton_path()

@@ -9,14 +9,14 @@ or an output of an earlier step. Replaying runs the same ops and the same compil
 arguments on a later call's tensors, skipping the Python in between.
 
 That is exact only where the call signature fixes everything the normal path reads besides tensor data and
-addresses: each input's shape, strides, dtype, device, 16-byte alignment (what Triton specialises pointers on; the
-allocator's blocks and the views into them keep theirs) and whether it is a view, the options, the MOK_* switches,
-whether launches use PDL (`pdl.enabled`), the TF32 setting, the current device and CUDA autocast (which changes
-the dtypes of the torch ops inside) (`signature`). A path that reads anything else cannot be planned: a tensor the
+addresses: each input's shape, strides, dtype, device, 16-byte alignment (what Triton specialises pointers
+on; the allocator's blocks and the views into them keep theirs) and whether it is a view, the options, the
+MOK_* switches, the TF32 setting, the current device and CUDA autocast (which changes the dtypes of the torch
+ops inside) (`signature`). A path that reads anything else cannot be planned: a tensor the
 recorder did not see made, an op returning a non-tensor, a launch through Triton's own path (launch hooks,
-`launch.fast_launch` off). The recording then fails and the call goes on unrecorded (the recorder never interrupts
-it: an entry point may write its inputs, so it could not run again). Side effects that are no aten ops (freeing a
-tensor's storage) go through `effect`, which the recording sees.
+`launch.fast_launch` off). The recording then fails and the call goes on unrecorded (the recorder never
+interrupts it: an entry point may write its inputs, so it could not run again). Side effects that are no aten
+ops (freeing a tensor's storage) go through `effect`, which the recording sees.
 
 A signature is recorded on its second call (a signature seen once costs nothing extra), and the cache keeps the
 64 most recently used plans. A signature whose recording failed twice is not recorded again. MOK_LAUNCH_PLAN=0
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import launch, pdl
+from . import launch
 
 enabled = os.environ.get("MOK_LAUNCH_PLAN", "1") != "0"
 
@@ -72,7 +72,7 @@ def signature(tensors, options) -> tuple:
     return (tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0,
                                            t._is_view())
                    for t in tensors]),
-            options, _switches(), pdl.enabled, torch._C._get_cublas_allow_tf32(), torch._C._cuda_getDevice(),
+            options, _switches(), torch._C._get_cublas_allow_tf32(), torch._C._cuda_getDevice(),
             torch._C._is_any_autocast_enabled() and (torch.is_autocast_enabled("cuda"),
                                                      torch.get_autocast_dtype("cuda")))
 

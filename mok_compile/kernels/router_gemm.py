@@ -34,7 +34,6 @@ import triton.language as tl
 from . import configs
 from .grouped_gemm import _tile_of
 from .launch import cdiv, launcher
-from .pdl import wait_prior
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -72,10 +71,9 @@ def _pieces(v, SPLIT: tl.constexpr, BF16_DOT: tl.constexpr):
 def _split_mm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                      stride_cm, stride_cn, A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BF16_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+                     GROUP_M: tl.constexpr):
     """c[M, N] (fp32) = a @ b (+ bias[N]); an operand with SPLIT is fp32 and taken as three bf16 pieces, one
     without is bf16 and taken as is (module doc). One program per output tile, K in order: deterministic."""
-    wait_prior(PDL)
     pid_m, pid_n = _tile_of(tl.program_id(0), N, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

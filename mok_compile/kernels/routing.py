@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
-from .pdl import wait_prior
 
 ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3}
 
@@ -76,7 +75,6 @@ def _route_fwd_kernel(
     RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
     DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0, GROUP_TOP: tl.constexpr = 2,
-    PDL: tl.constexpr = False,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
     chunk, from the same picks, so a few-token call skips those two launches.
@@ -84,7 +82,6 @@ def _route_fwd_kernel(
     HAS_SEL_BIAS: the selection bias is added to what the top-k ranks (`choice`), never to `value`;
     SEL_LOW: that sum is rounded to the logits' dtype, as PyTorch rounds a 16-bit score plus a 16-bit bias.
     N_GROUP > 1: only the TOPK_GROUP groups with the largest sums of their GROUP_TOP largest choices can be chosen."""
-    wait_prior(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -236,13 +233,11 @@ def _route_bwd_kernel(
     T, E, stride_lt, n_parts, TK, renorm_eps, routed_scale,
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
-    PDL: tl.constexpr = False,
 ):
     """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
 
     d(topk_weights) arrives as partial sums over tiles of I ([n_parts, T*K] at each pair's sorted
     position), summed here in a fixed order, plus `dw_extra` (given grads, down-bias term)."""
-    wait_prior(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)

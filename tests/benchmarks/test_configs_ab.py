@@ -3,7 +3,6 @@
 import json
 import os
 
-import pytest
 import torch
 
 from benchmarks import configs_ab
@@ -52,26 +51,3 @@ def test_an_engine_side_forces_the_engine_over_the_committed_table_and_a_table_s
     finally:
         configs_ab.use_side(configs_ab._COMMITTED)
     assert configs._JSON == configs_ab._COMMITTED
-
-
-def test_a_pdl_side_switches_pdl_with_the_committed_table_and_a_table_side_gives_the_setting_back(tmp_path,
-                                                                                                   monkeypatch):
-    from mok_compile.kernels import pdl
-
-    monkeypatch.setattr(configs_ab, "_PDL_AT_START", True)
-    monkeypatch.setattr(pdl, "enabled", True)
-    path = tmp_path / "configs.json"
-    path.write_text("{}")
-    try:
-        configs_ab.use_side(str(path))
-        configs_ab.use_side("pdl:off")
-        assert configs._JSON == configs_ab._COMMITTED and pdl.enabled is False
-        configs_ab.use_side("pdl:on")
-        assert pdl.enabled is True
-        configs_ab.use_side("pdl:off")
-        configs_ab.use_side(str(path))
-        assert configs._JSON == str(path) and pdl.enabled is True
-        with pytest.raises(ValueError, match="pdl:on or pdl:off"):
-            configs_ab.use_side("pdl:1")
-    finally:
-        configs_ab.use_side(configs_ab._COMMITTED)

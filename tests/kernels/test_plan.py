@@ -6,7 +6,7 @@ Python and its torch ops run as on the GPU; the GPU tests run the real kernels w
 import pytest
 import torch
 
-from mok_compile.kernels import launch, moe, pdl, plan
+from mok_compile.kernels import launch, moe, plan
 from tests.kernels.cases import VARIANTS as CASE_VARIANTS, generator, make_case
 
 
@@ -39,7 +39,6 @@ def stubbed(monkeypatch, fresh_plans):
     monkeypatch.setattr(launch, "fast_launch", True)
     monkeypatch.setattr(launch, "_LAUNCHERS", {})
     monkeypatch.setattr(plan, "_plannable", lambda x: True)
-    monkeypatch.setattr(pdl, "_device_has_pdl", lambda device: True)  # as on Hopper: launches pass PDL=True
 
     class Compiled(dict):
         def __init__(self, name):
@@ -233,8 +232,7 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     read = set()
     for path in [*root.glob("*.py"), root.parent / "ops" / "library.py"]:
         read |= set(re.findall(r"os\.environ\.get\(\"([A-Z_]+)\"", path.read_text()))
-    # read once, into module variables the plan cache checks (pdl.enabled: in the signature)
-    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN", "MOK_PDL"}
+    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN"}  # read once, into module variables the plan cache checks
     at_import.add("MOK_BUILD_DIR")  # where gate_up_sm90.py builds its library, once: no launch depends on it
     assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)
     assert "MOK_TMA" in read  # the pattern finds them
