@@ -1,10 +1,11 @@
 """The forward's routing launches (route, scan, scatter) alone, replayed from a CUDA graph, for each (tokens per
 routing program, warps) choice: NOTES-gpu.md v46 (4). Not part of the package; run from the repo root on a GPU:
 
-    python benchmarks/experiments/routing_tiles_probe.py qwen3,dsv3,mixtral,gpt_oss 256,4096,16384
+    PYTHONPATH=$PWD python benchmarks/experiments/routing_tiles_probe.py qwen3,dsv3,mixtral,gpt_oss 256,4096,16384
 
-Prints us per call (medians of 3 alternating rounds) for BLOCKxWARPS (0x0: the committed `routing_block` /
-`routing_warps`), and !NE where a choice's weights, ids or sorted layout differ from the committed choice's.
+Prints us per call (medians over 3 alternating rounds of `do_bench`'s mean; captured by `moe_layer.graphed`) for
+BLOCKxWARPS (0x0: the committed `routing_block` / `routing_warps`), and !NE where a choice's weights, ids or
+sorted layout differ from the committed choice's.
 """
 import statistics
 import sys
@@ -12,7 +13,8 @@ import sys
 import torch
 import triton
 
-from mok_compile.kernels import routing, dispatch
+from benchmarks.moe_layer import graphed
+from mok_compile.kernels import dispatch, routing
 from mok_compile.kernels.dispatch import Dispatch
 from mok_compile.kernels.launch import next_power_of_2
 
@@ -32,8 +34,9 @@ def set_variant(bt, nw):
         return b, be
     def warps(b, be):
         return nw if nw else orig_warps(b, be)
-    for m in (routing, dispatch):
-        m.routing_block = block; m.routing_warps = warps
+    for m in (routing, dispatch):  # dispatch.py imported both by name
+        m.routing_block = block
+        m.routing_warps = warps
 
 def run(logits, E, K, rt, ng, tg):
     disp = Dispatch.unsorted(E, K, logits.shape[0] * K, logits.device)
@@ -49,21 +52,17 @@ for name in sys.argv[1].split(","):
         logits = torch.randn(T, E, device="cuda", dtype=dt)
         res = {}
         ref = None
-        for rnd in range(3):
+        for _ in range(3):
             for v in variants:
                 set_variant(*v)
                 out = run(logits, E, K, rt, ng, tg)
-                if ref is None: ref = out
+                if ref is None:
+                    ref = out
                 eq = all(torch.equal(a, b) for a, b in zip(ref, out))
-                g = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    run(logits, E, K, rt, ng, tg)
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(g):
-                    run(logits, E, K, rt, ng, tg)
-                t = triton.testing.do_bench(g.replay, warmup=10, rep=40) * 1000
-                res.setdefault(v, []).append(t); res.setdefault((v, "eq"), []).append(eq)
+                replay = graphed(lambda: run(logits, E, K, rt, ng, tg))
+                t = triton.testing.do_bench(replay, warmup=10, rep=40) * 1000  # do_bench's mean
+                res.setdefault(v, []).append(t)
+                res.setdefault((v, "eq"), []).append(eq)
         base = statistics.median(res[(0, 0)])
         line = " ".join(f"{v[0]}x{v[1]}:{statistics.median(res[v]):.1f}{'' if all(res[(v, 'eq')]) else '!NE'}"
                         for v in variants)
