@@ -1,11 +1,12 @@
 """The forward's routing launches (route, scan, scatter) alone, replayed from a CUDA graph, for each (tokens per
-routing program, warps) choice: NOTES-gpu.md v46 (4). Not part of the package; run from the repo root on a GPU:
+routing program, warps) choice: NOTES-gpu.md v46 (4), v47. Not part of the package; run from the repo root on a GPU:
 
-    PYTHONPATH=$PWD python benchmarks/experiments/routing_tiles_probe.py qwen3,dsv3,mixtral,gpt_oss 256,4096,16384
+    PYTHONPATH=$PWD python benchmarks/experiments/routing_tiles_probe.py qwen3,dsv3,mixtral,gpt_oss 256,4096,16384 \
+        [0x0,32x4,16x4,8x4]
 
 Prints us per call (medians over 3 alternating rounds of `do_bench`'s mean; captured by `moe_layer.graphed`) for
-BLOCKxWARPS (0x0: the committed `routing_block` / `routing_warps`), and !NE where a choice's weights, ids or
-sorted layout differ from the committed choice's.
+BLOCKxWARPS (the optional third argument; 0x0: the committed `routing_block` / `routing_warps`), and !NE where a
+choice's weights, ids or sorted layout (not the layout's padding) differ from the committed choice's.
 """
 import statistics
 import sys
@@ -27,11 +28,10 @@ SHAPES = {"qwen3": (128, 8, "softmax_topk", 1, 1, torch.bfloat16),
 
 def set_variant(bt, nw):
     def block(E, T=None):
+        if not bt:
+            return orig_block(E, T)
         be = next_power_of_2(max(E, 2))
-        b = bt if bt else orig_block(E)[0]
-        if T is not None:
-            b = min(b, next_power_of_2(max(T, 1)))
-        return b, be
+        return (bt if T is None else min(bt, next_power_of_2(max(T, 1)))), be
     def warps(b, be):
         return nw if nw else orig_warps(b, be)
     for m in (routing, dispatch):  # dispatch.py imported both by name
@@ -43,9 +43,11 @@ def run(logits, E, K, rt, ng, tg):
     w, ids, _, _ = routing.route(logits, None, top_k=K, routing=rt, softmax_fp32=True, renormalize=True,
                                  renorm_eps=1e-20, routed_scale=1.0, n_group=ng, topk_group=tg,
                                  weights_dtype=torch.float32, dispatch=disp)
-    return w, ids, disp.layout
+    return (w, ids, disp.expert_count, disp.expert_start, disp.expert_end, disp.sorted_pair, disp.pair_pos)
 
 variants = [(0, 0), (32, 1), (32, 2), (16, 1), (16, 2), (16, 4), (8, 1), (8, 2), (8, 4), (4, 1)]
+if len(sys.argv) > 3:
+    variants = [tuple(int(n) for n in v.split("x")) for v in sys.argv[3].split(",")]
 for name in sys.argv[1].split(","):
     E, K, rt, ng, tg, dt = SHAPES[name]
     for T in [int(t) for t in sys.argv[2].split(",")]:

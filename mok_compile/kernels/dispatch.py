@@ -148,7 +148,7 @@ class Dispatch:
     def from_ids(cls, topk_ids, num_experts) -> "Dispatch":
         """The layout of `topk_ids` [T, K], counted and sorted here at `routing_block`'s tile, where no routing
         kernel wrote the counts (the backward's recompute; the tuner and tests on given ids)."""
-        block_t, block_e = routing_block(num_experts)
+        block_t, block_e = routing_block(num_experts, topk_ids.shape[0])
         return cls(topk_ids, count_chunks(topk_ids, num_experts, block_t, block_e), num_experts, block_t)
 
     @classmethod

@@ -19,20 +19,41 @@ ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2
 
 
 def routing_block(num_experts: int, num_tokens: int | None = None) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E): about 4K logits per program, at most 64 tokens; with `num_tokens`, no more token
-    rows than that rounded up to a power of 2 (a decode step's few tokens do not pay for 32 empty rows)."""
+    """(BLOCK_T, BLOCK_E) of a routing program (NOTES-gpu.md v47). A program's k rounds of row reductions are a
+    chain of dependent steps whose length grows with its tile, so at E >= 128 the tile is kept small enough to
+    spread T over the SMs, and no smaller: every program adds a row of chunk counts to the scan's serial pass.
+
+    - E <= 64: 64 tokens (at most 4K logits); its programs are short whatever the tile.
+    - E = 128: the fewest of 8, 16, 32 tokens that make at most 256 programs (T=256: 8; 4096: 16; 16384: 32),
+      but one program for up to 16 tokens: it also sorts the pairs, saving the scan and scatter launches.
+    - E >= 256: 4 tokens, or 8 past 128 programs (grouped routing keeps many [BLOCK_T, E] fp32 tiles live).
+    `num_tokens=None` gives the many-token tile. A tile is never taller than T rounded up to a power of 2
+    (a decode step's few tokens do not pay for empty rows)."""
     block_e = next_power_of_2(max(num_experts, 2))
-    block_t = max(1, min(64, 4096 // block_e))
+    if block_e <= 64:
+        block_t = min(64, 4096 // block_e)
+    else:
+        fewest, most, programs = (8, 32, 256) if block_e == 128 else (4, 8, 128)
+        if num_tokens is None:
+            block_t = most
+        elif block_e == 128 and num_tokens <= 16:
+            block_t = 16
+        else:
+            block_t = min(most, max(fewest, next_power_of_2(cdiv(num_tokens, programs))))
     if num_tokens is not None:
         block_t = min(block_t, next_power_of_2(max(num_tokens, 1)))
     return block_t, block_e
 
 
 def routing_warps(block_t: int, block_e: int) -> int:
-    """Warps of a routing or scatter program over a [block_t, block_e] tile: 4 (Triton's default) for a full
-    tile, fewer for a tile cut to a few tokens. Its k rounds of row reductions are a chain of dependent steps,
-    and within one warp each is a few shuffles, with no exchange through shared memory and no barrier."""
-    if block_t == routing_block(block_e)[0]:
+    """Warps of a routing or scatter program over a [block_t, block_e] tile. The k rounds of row reductions are a
+    chain of dependent steps; within one warp each is a few shuffles, with no exchange through shared memory and
+    no barrier, which is what a program of one token of few logits wants. At E >= 128, one warp per token row
+    up to 4 (Triton's default); below, 4 for a full 64-token tile and fewer for a tile cut to a few tokens
+    (NOTES-gpu.md v47)."""
+    if block_e >= 128:
+        return min(4, block_t)
+    if block_t == 64:
         return 4
     return max(1, min(4, block_t * block_e // 512))
 

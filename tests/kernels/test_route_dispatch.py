@@ -19,11 +19,13 @@ FIELDS = ("expert_count", "expert_start", "expert_end", "sorted_pair", "pair_pos
 
 def compare(device, dtype):
     res = []
-    # (T, E, K, routing kind): one token; a few; exactly one full tile (E=128: 32 tokens); past one tile; an
-    # expert count that is no power of 2; grouped sigmoid routing, also at E=256 (DeepSeek-V3's).
-    for T, E, K, kind in [(1, 8, 2, "softmax_topk"), (5, 128, 8, "softmax_topk"), (32, 128, 8, "topk_softmax"),
+    # (T, E, K, routing kind): one token; a few; the most tokens one program takes at E=128 (16); past it, where
+    # the separate scan and scatter run; an expert count that is no power of 2; grouped sigmoid routing, also at
+    # E=256 (DeepSeek-V3's), in one program and in several.
+    for T, E, K, kind in [(1, 8, 2, "softmax_topk"), (5, 128, 8, "softmax_topk"), (16, 128, 8, "topk_softmax"),
                           (33, 128, 8, "softmax_topk"), (7, 12, 3, "topk_sigmoid"),
-                          (3, 16, 4, "sigmoid_grouped_topk"), (2, 256, 8, "sigmoid_grouped_topk")]:
+                          (3, 16, 4, "sigmoid_grouped_topk"), (2, 256, 8, "sigmoid_grouped_topk"),
+                          (19, 256, 8, "sigmoid_grouped_topk")]:
         g = generator(T * 31 + E)  # fresh inputs on the GPU (tests/conftest.py)
         logits = torch.randn(T, E, generator=g).to(dtype).to(device)
         grouped = kind == "sigmoid_grouped_topk"
@@ -50,13 +52,29 @@ def compare(device, dtype):
 
 
 def _check(results):
-    assert len(results) == 7
+    assert len(results) == 8
+    # tokens per routing program (`test_routing_tile_rule` has the rule), the tile cut to T's power of 2
+    assert [r["block_t"] for r in results] == [1, 8, 16, 8, 8, 4, 2, 4]
+    assert [r["full_t"] for r in results] == [64, 32, 32, 32, 64, 64, 8, 8]  # the many-token tile (no T given)
     for r in results:
-        T = r["case"][0]
-        assert r["block_t"] == min(r["full_t"], 1 << (T - 1).bit_length()), r  # the tile cut to T
         assert r["same_dispatch"] and r["same_ids"] and r["sorted_ok"], r
         # fp32 weights: a sum over k or E may run in another order in the smaller tile's layout (last bits only)
         assert r["w_rel_diff"] <= 4 * 2.0**-24, r
+
+
+@pytest.mark.parametrize("E, T, block_t, warps", [
+    (8, 1, 1, 1), (8, 16, 16, 1), (8, 4096, 64, 4), (32, 32, 32, 2), (32, 4096, 64, 4), (64, 100, 64, 4),
+    (128, 1, 1, 1), (128, 2, 2, 2), (128, 4, 4, 4), (128, 5, 8, 4), (128, 16, 16, 4), (128, 17, 8, 4),
+    (128, 256, 8, 4), (128, 2048, 8, 4), (128, 2049, 16, 4), (128, 4096, 16, 4), (128, 4097, 32, 4),
+    (128, 16384, 32, 4), (256, 2, 2, 2), (256, 8, 4, 4), (256, 512, 4, 4), (256, 513, 8, 4), (256, 16384, 8, 4)])
+def test_routing_tile_rule(E, T, block_t, warps):
+    """NOTES-gpu.md v47's rule: at E = 128 one program up to 16 tokens, then the fewest of 8, 16, 32 tokens
+    making at most 256 programs; at E >= 256 4 tokens, 8 past 128 programs; 64 tokens at E <= 64; cut to T's
+    power of 2; at E >= 128 a warp per token up to 4, below it 4 warps except for a tile cut to a few tokens."""
+    from mok_compile.kernels import routing
+
+    bt, be = routing.routing_block(E, T)
+    assert (bt, be, routing.routing_warps(bt, be)) == (block_t, max(E, 2), warps)
 
 
 def test_one_program_routes_and_sorts_as_the_separate_launches():
