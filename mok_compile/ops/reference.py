@@ -308,6 +308,12 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
     return ds * base * (1 - base)
 
 
+def _weighted_input(x, w):
+    """The expert input x * w of a weight-on-input block, in the backward's accumulation dtype (tests replace it
+    to model the kernels' rounding of it to the inputs' dtype)."""
+    return x * w
+
+
 def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
                                  gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, *,
                                  top_k, routing="softmax_topk", router_is_logits=False, router_fp32=False,
@@ -355,7 +361,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         xe = xa[t]
         if weight_on_input:
             w_pair = wts.view(-1)[pairs].unsqueeze(-1)
-            x_in = xe * w_pair
+            x_in = _weighted_input(xe, w_pair)
         else:
             x_in = xe
         h = _project(x_in, w1s[e], None if b1s is None else b1s[e], transposed)

@@ -203,6 +203,23 @@ def rounded_activation_gradient(dtype):
         reference.activation_backward = fp32_backward
 
 
+@contextlib.contextmanager
+def rounded_weighted_input(dtype):
+    """The reference backward with a weight-on-input block's expert input x * w rounded to `dtype`, as the forward
+    (HF's `hidden_states * router_scores`) and every engine's recompute of h have it. The router gradient takes
+    <dh @ W1, x> at h of that input, and at one token rounding it alone has moved that gradient by 2e-2."""
+    fp32_input = reference._weighted_input
+
+    def weighted_input(x, w):
+        return fp32_input(x, w).to(dtype).to(x.dtype)
+
+    reference._weighted_input = weighted_input
+    try:
+        yield
+    finally:
+        reference._weighted_input = fp32_input
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

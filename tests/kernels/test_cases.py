@@ -1,12 +1,13 @@
-"""The GPU tests' input helpers, on the CPU: `cases.rounded_before_bias`, `cases.rounded_activation_gradient` and
-`_well_conditioned_case`'s redraw."""
+"""The GPU tests' input helpers, on the CPU: `cases.rounded_before_bias`, `cases.rounded_activation_gradient`,
+`cases.rounded_weighted_input` and `_well_conditioned_case`'s redraw."""
 
 import pytest
 import torch
 
 from mok_compile.ops import reference
 from tests.kernels import cases, test_triton_gpu
-from tests.kernels.cases import make_case, rel_err, rounded_activation_gradient, rounded_before_bias
+from tests.kernels.cases import (make_case, rel_err, rounded_activation_gradient, rounded_before_bias,
+                                 rounded_weighted_input)
 
 
 def _fp32_backward(tensors, kw):
@@ -27,7 +28,8 @@ def _fp32_and_rounded_backward(rounding, variant, K, dtype):
 
 # (context, the reference's function it replaces, variant, top-k, the gradient it moves, one it must leave alone)
 ROUNDINGS = [(rounded_before_bias, "_project", "relu", 2, "dx", None),
-             (rounded_activation_gradient, "activation_backward", "llama4", 1, "dw1", "dw2")]  # dW2 reads no dh
+             (rounded_activation_gradient, "activation_backward", "llama4", 1, "dw1", "dw2"),  # dW2 reads no dh
+             (rounded_weighted_input, "_weighted_input", "llama4", 1, "dw1", None)]
 
 
 @pytest.mark.parametrize("rounding,replaced,variant,K,moved,kept", ROUNDINGS)
@@ -55,6 +57,24 @@ def test_router_move_counts_the_activation_gradients_rounding(monkeypatch):
     r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
     projections_only = test_triton_gpu._rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads)["drouter"]
     assert projections_only < test_triton_gpu.GRAD_TOL[torch.bfloat16] / 4
+    assert test_triton_gpu._router_rounding_move(tensors, kw) > test_triton_gpu.GRAD_TOL[torch.bfloat16]
+
+
+def test_router_move_counts_the_weighted_inputs_rounding(monkeypatch):
+    """A draw of the biased top-k sigmoid with weight on the input, at one token, that rounding the projections and dh
+    moves by 3.2e-3 and rounding the expert input x * w as well by 3.9e-2 (CPU seed offset 1243283; on the GPU
+    MOK_TEST_SEED=8569229 drew one that every engine missed by 0.18): `_router_rounding_move` sees the larger move."""
+    monkeypatch.setattr(test_triton_gpu, "DEV", "cpu")
+    monkeypatch.setattr(cases, "SEED_OFFSET", 1243283)
+    tensors, kw = make_case("topk_sigmoid_renorm_bias", T=1, H=136, I=40, E=16, K=1, dtype=torch.bfloat16, seed=1)
+    kw = {**kw, "renormalize": False}  # as test_weight_on_input_top1 checks it
+    _, w, ids = reference.fused_moe_reference(*tensors, **kw)
+    go, gw = test_triton_gpu._grad_outputs(tensors, w)
+    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    with rounded_before_bias(torch.bfloat16), rounded_activation_gradient(torch.bfloat16):
+        without_input = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    i = test_triton_gpu.GRAD_NAMES.index("drouter")
+    assert rel_err(without_input[i], r_grads[i]) < test_triton_gpu.GRAD_TOL[torch.bfloat16] / 4
     assert test_triton_gpu._router_rounding_move(tensors, kw) > test_triton_gpu.GRAD_TOL[torch.bfloat16]
 
 

@@ -13,7 +13,7 @@ import torch
 
 from mok_compile.ops import reference
 from tests.kernels.cases import (VARIANTS, fp32_expert_reference, generator, make_case, rel_err,
-                                 rounded_activation_gradient, rounded_before_bias)
+                                 rounded_activation_gradient, rounded_before_bias, rounded_weighted_input)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -61,24 +61,30 @@ def _backward(tensors, kw, w, ids, seed=1):
     return go, gw, torch.ops.mok.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
 
 
-def _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads, round_dh=False):
+def _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads, round_stored=False):
     """Each gradient's relative distance between the fp32 reference and the same with both projections rounded to the
-    inputs' 16-bit dtype before their biases (HF's order), and with `round_dh` the activation's gradient too (as every
-    engine stores it): how much these inputs amplify 16-bit rounding."""
+    inputs' 16-bit dtype before their biases (HF's order), and with `round_stored` the 16-bit values every engine
+    keeps between the backward's GEMMs too (the activation's gradient dh, and with weight on the input the expert
+    input x * w): how much these inputs amplify 16-bit rounding."""
     dtype = tensors[0].dtype
-    with rounded_before_bias(dtype), rounded_activation_gradient(dtype) if round_dh else contextlib.nullcontext():
+    with contextlib.ExitStack() as roundings:
+        roundings.enter_context(rounded_before_bias(dtype))
+        if round_stored:
+            roundings.enter_context(rounded_activation_gradient(dtype))
+            roundings.enter_context(rounded_weighted_input(dtype))
         rounded = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
     return {name: rel_err(a, b) for name, a, b in zip(GRAD_NAMES, rounded, r_grads) if b is not None}
 
 
 def _router_rounding_move(tensors, kw):
     """`_rounding_sensitivity` of the router gradient (or of its bias's, if larger) on the reference's routing, with
-    the projections and the activation's gradient rounded: with weight on the input (Llama4) the router gradient is
-    <dh @ W1, x>, and a draw that rounding the projections moved by 2.3e-3 had 5.2e-2 on every engine (dh rounded)."""
+    the projections and the stored 16-bit values rounded: with weight on the input (Llama4) the router gradient is
+    <dh @ W1, x>, and a draw that rounding the projections moved by 2.3e-3 had 5.2e-2 on every engine (dh rounded);
+    another, whose dh rounding moved it by under 5e-3, had 0.18 on every engine (the expert input rounded)."""
     _, w, ids = reference.fused_moe_reference(*tensors, **kw)
     go, gw = _grad_outputs(tensors, w)
     r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
-    moved = _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads, round_dh=True)
+    moved = _rounding_sensitivity(go, gw, tensors, kw, w, ids, r_grads, round_stored=True)
     return max(moved.get("drouter", 0.0), moved.get("drouter_bias", 0.0))
 
 
@@ -87,7 +93,7 @@ def _well_conditioned_case(variant, T, H, I, E, K, **checked):
     is a difference of near-equal terms (renormalised weights, or the weight-on-input dot product <dxs, x>) in about a
     tenth of the draws, and its bf16 error relative to itself then exceeds any tolerance on every engine alike (0.86
     seen at T=1). So a draw is kept where rounding the kernels' 16-bit intermediates (the two projections, the
-    activation's gradient) moves it by under GRAD_TOL / 4.
+    activation's gradient, a weighted expert input) moves it by under GRAD_TOL / 4.
     `checked`: kwargs that the test overrides before `_check`."""
     for attempt in range(50):
         tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device=DEV,
