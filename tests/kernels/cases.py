@@ -207,7 +207,8 @@ def rounded_activation_gradient(dtype):
 def rounded_weighted_input(dtype):
     """The reference backward with a weight-on-input block's expert input x * w rounded to `dtype`, as the forward
     (HF's `hidden_states * router_scores`) and every engine's recompute of h have it. The router gradient takes
-    <dh @ W1, x> at h of that input, and at one token rounding it alone has moved that gradient by 2e-2."""
+    <dh @ W1, x> at h of that input: at one token, rounding it moved that gradient past 1e-2 in about 4% of the CPU
+    draws that rounding the projections and dh moved by under 5e-3."""
     fp32_input = reference._weighted_input
 
     def weighted_input(x, w):

@@ -62,8 +62,9 @@ def test_router_move_counts_the_activation_gradients_rounding(monkeypatch):
 
 def test_router_move_counts_the_weighted_inputs_rounding(monkeypatch):
     """A draw of the biased top-k sigmoid with weight on the input, at one token, that rounding the projections and dh
-    moves by 3.2e-3 and rounding the expert input x * w as well by 3.9e-2 (CPU seed offset 1243283; on the GPU
-    MOK_TEST_SEED=8569229 drew one that every engine missed by 0.18): `_router_rounding_move` sees the larger move."""
+    moves by 3.2e-3 and rounding the expert input x * w as well by 3.9e-2 (CPU seed offset 1243283; on the GPU,
+    MOK_TEST_SEED=8569229 drew a case that the old redraw kept and every engine missed by 0.18):
+    `_router_rounding_move` sees the larger move."""
     monkeypatch.setattr(test_triton_gpu, "DEV", "cpu")
     monkeypatch.setattr(cases, "SEED_OFFSET", 1243283)
     tensors, kw = make_case("topk_sigmoid_renorm_bias", T=1, H=136, I=40, E=16, K=1, dtype=torch.bfloat16, seed=1)
