@@ -46,6 +46,20 @@ def routing_block(num_experts: int, num_tokens: int | None = None) -> tuple[int,
     return block_t, block_e
 
 
+def route_backward_block(num_experts: int, num_tokens: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_E) of a `route_backward` program (NOTES-gpu.md v48). Its chain of row reductions is the
+    forward's, but it sorts nothing and feeds no scan, so at E = 128 it takes 8 tokens a program at every T
+    (measured to 16384), and at E >= 256 4 tokens up to 512 programs (T = 2048), then 16 (fewer, longer programs:
+    8 was the slowest of 4, 8 and 16 at T = 4096 and 16384). E <= 64 as `routing_block`. Never taller than T's
+    power of 2."""
+    block_t, block_e = routing_block(num_experts, num_tokens)
+    if block_e == 128:
+        block_t = 8
+    elif block_e >= 256:
+        block_t = 4 if cdiv(num_tokens, 4) <= 512 else 16
+    return min(block_t, next_power_of_2(max(num_tokens, 1))), block_e
+
+
 def routing_warps(block_t: int, block_e: int) -> int:
     """Warps of a routing or scatter program over a [block_t, block_e] tile. The k rounds of row reductions are a
     chain of dependent steps; within one warp each is a few shuffles, with no exchange through shared memory and
@@ -335,7 +349,7 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
     position."""
     T, E = logits.shape
     K = topk_ids.shape[1]
-    block_t, block_e = routing_block(E)
+    block_t, block_e = route_backward_block(E, T)
     dl = torch.empty((T, E), dtype=out_dtype, device=logits.device)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -344,5 +358,6 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
             T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
             K=K, K_PAD=next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
             HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e, renorm_min=float(renorm_min),
+            num_warps=routing_warps(block_t, block_e),
         )
     return dl
