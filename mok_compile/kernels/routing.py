@@ -52,11 +52,10 @@ def route_backward_block(num_experts: int, num_tokens: int) -> tuple[int, int]:
     (measured to 16384), and at E >= 256 4 tokens up to 512 programs (T = 2048), then 16 (fewer, longer programs:
     8 was the slowest of 4, 8 and 16 at T = 4096 and 16384). E <= 64 as `routing_block`. Never taller than T's
     power of 2."""
-    block_t, block_e = routing_block(num_experts, num_tokens)
-    if block_e == 128:
-        block_t = 8
-    elif block_e >= 256:
-        block_t = 4 if cdiv(num_tokens, 4) <= 512 else 16
+    block_e = next_power_of_2(max(num_experts, 2))
+    if block_e <= 64:
+        return routing_block(num_experts, num_tokens)
+    block_t = 8 if block_e == 128 else 4 if cdiv(num_tokens, 4) <= 512 else 16
     return min(block_t, next_power_of_2(max(num_tokens, 1))), block_e
 
 
