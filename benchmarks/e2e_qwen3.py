@@ -1,6 +1,7 @@
 """End to end: a 4-layer Qwen3-MoE at the 30B-A3B layer sizes, backend="mok" vs backend="inductor".
 
     python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2] [--ddp]
+    python -m benchmarks.e2e_qwen3 --out DIR --decode 1,8,64
     torchrun --nproc-per-node 2 -m benchmarks.e2e_qwen3 --out DIR --ddp     # DDP over two GPUs
 
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
@@ -13,6 +14,9 @@ and the rest, and from them the best training speedup any MoE kernel could give:
 inductor and mok under Dynamo's default DDP graph cutting (which cuts the MoE blocks: mok fuses nothing) and mok
 with `optimize_ddp=False` (mok fuses every block, then cuts the graph into DDP's buckets, `mok_compile.ddp`), and
 that without the cutting (`ddp_buckets=False`: all-reduce starts after the whole backward).
+--decode B,... times, per batch size B, a decode-shaped forward instead (B sequences of one token, no KV cache,
+no_grad; the MoE layers see T = B tokens), in default mode: inductor, mok, and mok with the op's few-token CUDA
+graphs off (`mok_compile.kernels.graphs`, NOTES v49), in alternating rounds.
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -23,6 +27,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -95,6 +100,51 @@ def print_bound(results, layers, tokens):
           f"at most {best:.2f}x over inductor ({results['inductor']['train_ms']:.1f} ms)", flush=True)
 
 
+def decode(model, batches, out):
+    """Per batch size: ms of a one-token forward of B sequences under inductor, mok, and mok without the op's
+    graphs; x = inductor's time / that column's."""
+    from benchmarks.moe_layer import time_in_rounds
+    from mok_compile.backend import mok_backend
+    from mok_compile.kernels import graphs
+
+    bound = graphs.max_tokens or 512
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = 64
+
+    def for_inductor(ids):  # one code object per backend: Dynamo caches compiled frames by code object
+        return model(input_ids=ids, use_cache=False)
+
+    def for_mok(ids):
+        return model(input_ids=ids, use_cache=False)
+
+    compiled = {"inductor": torch.compile(for_inductor, dynamic=False),
+                "mok": torch.compile(for_mok, backend=mok_backend, dynamic=False)}
+    results = {}
+    print("| B | inductor ms | mok ms | x | mok, op graphs off ms | x |\n|---|---|---|---|---|---|", flush=True)
+    for B in batches:
+        ids = torch.randint(0, 151936, (B, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(B))
+
+        def forward(name, op_graphs):
+            def run():
+                graphs.max_tokens = bound if op_graphs else 0
+                with torch.no_grad():
+                    compiled[name](ids)
+            return run
+
+        timed = [("inductor", forward("inductor", False)), ("mok", forward("mok", True)),
+                 ("mok off", forward("mok", False))]
+        for _, run in timed:  # compile, warm up, capture
+            for _ in range(3):
+                run()
+        t = {k: statistics.median(v) for k, v in time_in_rounds(timed, 5).items()}
+        results[B] = t
+        print(f"| {B} | {t['inductor']:.3f} | {t['mok']:.3f} | {t['inductor'] / t['mok']:.2f} | {t['mok off']:.3f} "
+              f"| {t['inductor'] / t['mok off']:.2f} |", flush=True)
+    graphs.max_tokens = bound
+    with open(os.path.join(out, "e2e_qwen3_decode.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main():
     import triton
 
@@ -105,8 +155,11 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="split the training step into MoE and the rest")
     ap.add_argument("--ddp", action="store_true", help="the model in DistributedDataParallel (see the docstring)")
+    ap.add_argument("--decode", help="comma-separated batch sizes: time one-token forwards instead (docstring)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.decode:
+        return decode(build_model(args.layers, args.seq).eval(), [int(b) for b in args.decode.split(",")], args.out)
     from mok_compile.backend import mok_backend
     from torch._dynamo.utils import counters
 

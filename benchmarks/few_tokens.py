@@ -2,6 +2,12 @@
 from a CUDA graph, and the kernels of one replay of each (torch.profiler).
 
     python benchmarks/few_tokens.py qwen3 1,4,16,64
+    python benchmarks/few_tokens.py qwen3 1,16,64,256 --eager
+
+With --eager it times what a caller without CUDA graphs of its own gets instead (NOTES v49): compiled HF, the op
+called eagerly and transformers' block under `backend="mok"` (default mode), each with the op's own few-token
+graphs (`mok_compile.kernels.graphs`) off and on, in the same alternating rounds, and the op replayed from an outer
+graph (its GPU time) as the bound; x = compiled HF's time / that column's.
 
 At a few tokens the eager and compiled columns of `benchmarks.moe_layer` time the host (and under
 `--mode reduce-overhead`, inductor's CUDA-graph wrapper); this times the GPU work alone, as a serving stack that
@@ -36,6 +42,44 @@ def kernels_of(replay) -> list:
     return [(e.time_range.start - t0, e.time_range.elapsed_us(), e.name) for e in events]
 
 
+def eager_ab(name: str, tokens: list, rounds: int = 5):
+    """Per T: ms of compiled HF, mok and mok+comp with the op's graphs off and on, and mok from an outer graph."""
+    from mok_compile.kernels import graphs
+
+    family, sizes, overrides, _ = SHAPES[name]
+    runners = make_runners(family, build_block(family, sizes, overrides))
+    torch._dynamo.config.cache_size_limit = 64
+    bound = graphs.max_tokens or 512
+
+    def with_graphs(fn, on):
+        def run():
+            graphs.max_tokens = bound if on else 0
+            with torch.no_grad():
+                fn(x)
+        return run
+
+    print(f"{name}: ms per forward; x = hf+comp / column", flush=True)
+    print("| T | hf+comp | mok, no graphs | mok | mok+comp, no graphs | mok+comp | mok from an outer graph |\n"
+          "|---|---|---|---|---|---|---|", flush=True)
+    for T in tokens:
+        x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
+        timed = [("hf+comp", with_graphs(runners["hf+comp"], False))]
+        for which in ("mok", "mok+comp"):
+            timed += [(f"{which} off", with_graphs(runners[which], False)), (which, with_graphs(runners[which], True))]
+        for _, run in timed:  # compile, warm up, capture
+            for _ in range(3):
+                run()
+        graphs.max_tokens = bound
+        with torch.no_grad():
+            outer = graphed(lambda: runners["mok"](x))
+        timed.append(("outer", outer))
+        times = {k: statistics.median(v) for k, v in time_in_rounds(timed, rounds).items()}
+        hf = times["hf+comp"]
+        cells = [f"{hf:.3f}"] + [f"{times[k]:.3f} ({hf / times[k]:.2f}x)" for k, _ in timed[1:]]
+        print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
+    graphs.max_tokens = bound
+
+
 def main(name: str, tokens: list):
     family, sizes, overrides, _ = SHAPES[name]
     block = build_block(family, sizes, overrides)
@@ -64,4 +108,4 @@ def main(name: str, tokens: list):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(t) for t in sys.argv[2].split(",")])
+    (eager_ab if "--eager" in sys.argv[3:] else main)(sys.argv[1], [int(t) for t in sys.argv[2].split(",")])

@@ -53,7 +53,7 @@ import torch
 from ..ops import reference
 from ..ops.library import check_inputs
 from ..ops.spec import with_defaults
-from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, plan, router_gemm, wgrad_sm90
+from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, graphs, plan, router_gemm, wgrad_sm90
 from .activation import activation_code
 from .dispatch import Dispatch, combine, grid_rows, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -288,6 +288,7 @@ def _kept_logits(logits, router, E, kw):
 
 
 _FORWARD_PLANS = plan.PlanCache()
+FORWARD_GRAPHS = graphs.GraphCache()
 
 
 def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
@@ -296,11 +297,18 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     `save_gate_up` (`mok::fused_moe_train`) also what the backward reads instead of recomputing: h = x @ W1
     per pair in sorted order (before bias and activation, in the input dtype), the router logits ([0, E]
     where the router argument is the logits) and the `Dispatch.layout`. Replayed from a launch plan
-    (`plan.py`) where this call's signature has one."""
+    (`plan.py`) where this call's signature has one; without `save_gate_up`, at few tokens, from a CUDA graph
+    (`graphs.py`)."""
     tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
     kw = with_defaults(kw)
-    return _FORWARD_PLANS.call(lambda: _forward(*tensors, save_gate_up=save_gate_up, **kw), tensors,
-                               (save_gate_up, tuple(kw.items())))
+    options = (save_gate_up, tuple(kw.items()))
+
+    def planned(*tensors):
+        return _FORWARD_PLANS.call(lambda: _forward(*tensors, save_gate_up=save_gate_up, **kw), tensors, options)
+
+    if save_gate_up:
+        return planned(*tensors)
+    return FORWARD_GRAPHS.call(planned, tensors, options)
 
 
 def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,

@@ -12,8 +12,8 @@ from tests.kernels.test_configs import gpu_like
 
 
 def test_use_table_switches_the_configs_and_drops_the_launch_plans(tmp_path, monkeypatch):
-    """After `use_table(path)` the op's configs come from `path`, and no plan recorded under the other table (whose
-    signature does not cover the table) replays."""
+    """After `use_table(path)` the op's configs come from `path`, and no plan or graph recorded under the other table
+    (whose key does not cover the table) replays."""
     dev = gpu_like(monkeypatch, "NVIDIA H200", (9, 0))
     mine = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)
     path = tmp_path / "configs.json"
@@ -22,9 +22,10 @@ def test_use_table_switches_the_configs_and_drops_the_launch_plans(tmp_path, mon
     committed = configs.config("gate_up", torch.bfloat16, 256, dev)
     try:
         moe._FORWARD_PLANS._plans["recorded under the committed table"] = None
+        moe.FORWARD_GRAPHS._graphs["captured under the committed table"] = None
         use_table(str(path))
         assert configs.config("gate_up", torch.bfloat16, 256, dev) == mine != committed
-        assert not moe._FORWARD_PLANS._plans and not moe._BACKWARD_PLANS._plans
+        assert not moe._FORWARD_PLANS._plans and not moe._BACKWARD_PLANS._plans and not len(moe.FORWARD_GRAPHS)
     finally:
         use_table(before)
     assert configs.config("gate_up", torch.bfloat16, 256, dev) == committed

@@ -1,0 +1,207 @@
+"""Few-token inference forwards replayed from CUDA graphs (`mok_compile.kernels.graphs`).
+
+On the GPU: a signature's second call captures its forward and later calls replay it, with the same bits as the
+launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their
+own graph; the training forward, token counts above the bound and calls inside someone else's capture are never
+captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
+own outputs. On the CPU: the copy of x keeps x's alignment, and CPU tensors never take the graph path.
+"""
+
+import pytest
+import torch
+
+from mok_compile.kernels import graphs
+from tests.kernels.cases import generator, make_case
+
+VARIANTS = ["qwen3", "gpt_oss", "deepseek_v3", "llama4", "mixtral"]
+
+
+def _sizes(variant):
+    """(H, I, E, K) of a small case: E=8 top-2 for Mixtral's form, E=16 top-4 otherwise (DeepSeek-V3's groups
+    need E divisible by its 4 groups)."""
+    return (128, 64, 8, 2) if variant == "mixtral" else (128, 64, 16, 4)
+
+
+@pytest.fixture
+def cache(monkeypatch):
+    """A fresh graph cache for the forward, graphs on up to 512 tokens."""
+    from mok_compile.kernels import moe
+
+    fresh = graphs.GraphCache()
+    monkeypatch.setattr(moe, "FORWARD_GRAPHS", fresh)
+    monkeypatch.setattr(graphs, "max_tokens", 512)
+    return fresh
+
+
+def _forward(tensors, kw, x=None, **extra):
+    from mok_compile.kernels import moe
+
+    with torch.no_grad():
+        return moe.fused_moe_forward(x if x is not None else tensors[0], *tensors[1:], **kw, **extra)
+
+
+def _unplanned(tensors, kw, x, monkeypatch):
+    """The forward on x by its launches, with graphs off."""
+    with monkeypatch.context() as m:
+        m.setattr(graphs, "max_tokens", 0)
+        return _forward(tensors, kw, x)
+
+
+def _fresh_x(tensors, seed):
+    x = tensors[0]
+    return (torch.randn(x.shape, device=x.device, generator=generator(seed, x.device)) * 0.5).to(x.dtype)
+
+
+def _equal(got, want):
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T", [1, 37, 300])
+def test_replays_give_the_launches_bits_on_fresh_inputs(cache, monkeypatch, variant, T):
+    H, I, E, K = _sizes(variant)
+    tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
+    for step in range(4):  # seen, captured (and replayed), then two replays
+        x = _fresh_x(tensors, step)
+        got = _forward(tensors, kw, x)
+        assert len(replays) == max(0, step), f"step {step}: {len(replays)} replays"
+        _equal(got, _unplanned(tensors, kw, x, monkeypatch))
+    assert len(cache) == 1
+
+
+@pytest.mark.gpu
+def test_weights_written_in_place_are_read_and_new_weights_get_their_own_graph(cache, monkeypatch):
+    tensors, kw = make_case("qwen3", T=20, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    for _ in range(2):
+        _forward(tensors, kw)
+    assert len(cache) == 1
+    with torch.no_grad():
+        tensors[4].mul_(1.5)  # gate_up_proj, as an optimizer step writes it
+        tensors[1].add_(0.25)  # the router
+    x = _fresh_x(tensors, 7)
+    _equal(_forward(tensors, kw, x), _unplanned(tensors, kw, x, monkeypatch))
+    assert len(cache) == 1
+    other = list(tensors)
+    other[6] = tensors[6].clone() * 2  # down_proj: a new tensor at another address
+    for _ in range(2):
+        got = _forward(other, kw, x)
+    assert len(cache) == 2
+    _equal(got, _unplanned(other, kw, x, monkeypatch))
+
+
+@pytest.mark.gpu
+def test_the_training_forward_and_more_tokens_than_the_bound_are_not_captured(cache, monkeypatch):
+    tensors, kw = make_case("qwen3", T=40, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        _forward(tensors, kw, save_gate_up=True)
+    assert len(cache) == 0
+    monkeypatch.setattr(graphs, "max_tokens", 39)
+    for _ in range(3):
+        _forward(tensors, kw)
+    assert len(cache) == 0
+    monkeypatch.setattr(graphs, "max_tokens", 40)
+    for _ in range(2):
+        _forward(tensors, kw)
+    assert len(cache) == 1
+
+
+@pytest.mark.gpu
+def test_no_capture_inside_another_capture(cache, monkeypatch):
+    """`mode="reduce-overhead"` captures the op in its own graph: the op's launches go into that graph, and the
+    replayed outer graph computes what the launches compute."""
+    tensors, kw = make_case("gpt_oss", T=16, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    x = tensors[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _forward(tensors, kw, x)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(cache) == 1  # the warm-up's own graph, on the side stream
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        for _ in range(3):
+            out = _forward(tensors, kw, x)
+    assert len(cache) == 1
+    x.copy_(_fresh_x(tensors, 3))
+    outer.replay()
+    _equal(out, _unplanned(tensors, kw, x, monkeypatch))
+
+
+@pytest.mark.gpu
+def test_outputs_are_new_tensors_and_inference_mode_works(cache, monkeypatch):
+    tensors, kw = make_case("deepseek_v3", T=9, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        first = [_forward(tensors, kw, _fresh_x(tensors, s)) for s in range(3)]
+    kept = [t.clone() for t in first[1]]
+    second = _forward(tensors, kw, _fresh_x(tensors, 5))  # outside inference mode, same graph
+    assert len(cache) == 1
+    for a, b, c in zip(first[1], first[2], second):
+        assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
+    _equal(first[1], kept)  # not overwritten by later replays
+    x = _fresh_x(tensors, 5)
+    _equal(second, _unplanned(tensors, kw, x, monkeypatch))
+
+
+@pytest.mark.gpu
+def test_threads_on_one_stream_each_get_their_own_output(cache, monkeypatch):
+    """Replays share the graph's input and outputs: two threads calling on the same stream must not interleave
+    one's copy of x with the other's replay."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors, kw = make_case("qwen3", T=12, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    xs = [_fresh_x(tensors, s) for s in range(8)]
+    want = [_unplanned(tensors, kw, x, monkeypatch) for x in xs]
+    for _ in range(2):
+        _forward(tensors, kw)
+    assert len(cache) == 1
+
+    def calls(offset):
+        return [_forward(tensors, kw, xs[i]) for _ in range(10) for i in range(offset, 8, 2)]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(calls, (0, 1)))
+    for offset, got in enumerate(results):
+        for n, out in enumerate(got):
+            _equal(out, want[offset + 2 * (n % 4)])
+
+
+@pytest.mark.gpu
+def test_capturing_stops_once_graphs_leave_the_cache_unused(monkeypatch):
+    """More distinct token counts than the cache holds, each seen twice: every capture is evicted before a call
+    reuses it, and after `_MAX_UNUSED` of those the cache captures no more."""
+    from mok_compile.kernels import moe
+
+    small = graphs.GraphCache(max_graphs=1)
+    monkeypatch.setattr(moe, "FORWARD_GRAPHS", small)
+    monkeypatch.setattr(graphs, "_MAX_UNUSED", 2)
+    for T in range(1, 6):
+        tensors, kw = make_case("qwen3", T=T, H=64, I=32, E=8, K=2, dtype=torch.bfloat16, device="cuda")
+        for _ in range(2):
+            _forward(tensors, kw)
+    assert small.unused == 2 and len(small) == 1  # T=1 and 2 evicted unused, T=3 kept; T=4 and 5 not captured
+
+
+def test_the_copy_of_x_keeps_its_alignment():
+    base = torch.empty(4096, dtype=torch.bfloat16)
+    for offset in (0, 8, 72, 130):
+        x = base[offset:offset + 512].view(4, 128)
+        copy = graphs._like_aligned(x)
+        assert copy.shape == x.shape and copy.dtype == x.dtype and copy.is_contiguous()
+        assert (copy.data_ptr() - x.data_ptr()) % graphs._ALIGN == 0
+
+
+def test_cpu_tensors_never_take_the_graph_path():
+    x = torch.randn(4, 8)
+    assert not graphs.eligible(x)
+    cache = graphs.GraphCache()
+    calls = []
+    for _ in range(3):
+        cache.call(lambda *t: calls.append(t) or t[0], (x, None), ("options",))
+    assert len(calls) == 3 and len(cache) == 0
