@@ -71,12 +71,17 @@ class _Graph:
         return tuple([t.clone() for t in self.outputs])
 
 
+def _alignment(x) -> int:
+    """The address modulo 256 bytes of the x the forward's GEMMs read: x's own, or a fresh contiguous copy's (0)."""
+    return x.data_ptr() % _ALIGN if x.is_contiguous() else 0
+
+
 def _like_aligned(x):
-    """A contiguous tensor of x's shape and dtype whose address is x's modulo 256 bytes: cuBLAS picks the router
-    GEMM's algorithm by its operands' alignment, so the graph's copy of x must share it to give the same bits."""
+    """A contiguous tensor of x's shape and dtype at `_alignment(x)`: cuBLAS picks the router GEMM's algorithm by
+    its operands' alignment, so the graph's copy of x must keep what the launches would read to give their bits."""
     pad = _ALIGN // x.element_size()
     buf = torch.empty(x.numel() + pad, dtype=x.dtype, device=x.device)
-    offset = (x.data_ptr() - buf.data_ptr()) % _ALIGN // x.element_size()
+    offset = (_alignment(x) - buf.data_ptr()) % _ALIGN // x.element_size()
     return buf[offset:offset + x.numel()].view(x.shape)
 
 
@@ -106,7 +111,7 @@ class GraphCache:
             return run(*tensors)
         try:
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-            key = (plan.signature(tensors, options), x.data_ptr() % _ALIGN,
+            key = (plan.signature(tensors, options), _alignment(x),
                    tuple([None if t is None else t.data_ptr() for t in tensors[1:]]), stream)
             graph = self._graphs.get(key)
         except TypeError:  # an unhashable option: no graph
@@ -119,9 +124,10 @@ class GraphCache:
                 return graph.replay(x)
         seen = self._seen.get(key)
         if seen is None or seen is False or self.unused >= _MAX_UNUSED:
-            if seen is None:
+            out = run(*tensors)
+            if seen is None:  # (after the call: a call that raises is not a signature worth capturing)
                 plan._remember(self._seen, key, True, _MAX_SEEN)
-            return run(*tensors)
+            return out
         with self._lock:
             try:
                 graph = _Graph(run, tensors, self._stream(x.device), self._pool(x.device, stream))

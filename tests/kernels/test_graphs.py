@@ -76,6 +76,18 @@ def test_replays_give_the_launches_bits_on_fresh_inputs(cache, monkeypatch, vari
 
 
 @pytest.mark.gpu
+def test_a_strided_x_replays_the_launches_bits(cache, monkeypatch):
+    """x a column slice of a wider tensor: the launches read a fresh contiguous copy, and so does the graph."""
+    tensors, kw = make_case("qwen3", T=24, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    for step in range(3):
+        wide = torch.cat([_fresh_x(tensors, step), _fresh_x(tensors, step + 10)], dim=1)
+        x = wide[:, 64:192]
+        assert not x.is_contiguous()
+        _equal(_forward(tensors, kw, x), _unplanned(tensors, kw, x, monkeypatch))
+    assert len(cache) == 1
+
+
+@pytest.mark.gpu
 def test_weights_written_in_place_are_read_and_new_weights_get_their_own_graph(cache, monkeypatch):
     tensors, kw = make_case("qwen3", T=20, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     for _ in range(2):
@@ -188,13 +200,18 @@ def test_capturing_stops_once_graphs_leave_the_cache_unused(monkeypatch):
     assert small.unused == 2 and len(small) == 1  # T=1 and 2 evicted unused, T=3 kept; T=4 and 5 not captured
 
 
-def test_the_copy_of_x_keeps_its_alignment():
+def test_the_copy_of_x_keeps_the_alignment_the_launches_read():
+    """x's own address modulo 256 bytes; for a non-contiguous x, that of the fresh contiguous copy the forward
+    makes (0)."""
     base = torch.empty(4096, dtype=torch.bfloat16)
     for offset in (0, 8, 72, 130):
         x = base[offset:offset + 512].view(4, 128)
         copy = graphs._like_aligned(x)
         assert copy.shape == x.shape and copy.dtype == x.dtype and copy.is_contiguous()
         assert (copy.data_ptr() - x.data_ptr()) % graphs._ALIGN == 0
+        strided = base[offset:offset + 1024].view(4, 256)[:, :128]
+        copy = graphs._like_aligned(strided)
+        assert copy.is_contiguous() and copy.shape == strided.shape and copy.data_ptr() % graphs._ALIGN == 0
 
 
 def test_cpu_tensors_never_take_the_graph_path():
