@@ -4,7 +4,9 @@ On the GPU: a signature's second call captures its forward and later calls repla
 launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their
 own graph; the training forward, token counts above the bound and calls inside someone else's capture are never
 captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
-own outputs. On the CPU: the copy of x keeps x's alignment, and CPU tensors never take the graph path.
+own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU tensors never take the graph path,
+and the cache's bookkeeping with captures stubbed (capture on the second call, a key per weight address, a failed
+capture not retried, a raising call not counted, capturing stopped after unused evictions).
 """
 
 import pytest
@@ -222,3 +224,88 @@ def test_cpu_tensors_never_take_the_graph_path():
     for _ in range(3):
         cache.call(lambda *t: calls.append(t) or t[0], (x, None), ("options",))
     assert len(calls) == 3 and len(cache) == 0
+
+
+class _StubGraph:
+    """A capture that records what it was given and replays by returning a marker (the cache's bookkeeping on the
+    CPU; the GPU tests above capture for real)."""
+
+    made = []
+
+    def __init__(self, run, tensors, stream, pool):
+        self.hits, self.tensors = 0, tensors
+        _StubGraph.made.append(self)
+        if getattr(run, "fails_capture", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def replay(self, x):
+        return ("replayed", x)
+
+
+@pytest.fixture
+def stub_cache(monkeypatch):
+    """A GraphCache on CPU tensors: every call eligible, captures stubbed, one stream."""
+    monkeypatch.setattr(graphs, "eligible", lambda x: True)
+    monkeypatch.setattr(graphs, "_Graph", _StubGraph)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(graphs.GraphCache, "_stream", lambda self, device: "side stream")
+    monkeypatch.setattr(graphs.GraphCache, "_pool", lambda self, device, stream: "pool")
+    _StubGraph.made = []
+    return graphs.GraphCache()
+
+
+def _run(calls):
+    def run(*tensors):
+        calls.append(tensors)
+        return ("launched", tensors[0])
+    return run
+
+
+def test_a_signature_is_captured_on_its_second_call_and_replayed_after(stub_cache):
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    calls = []
+    results = [stub_cache.call(_run(calls), (x, w), ("opts",)) for _ in range(4)]
+    assert [r[0] for r in results] == ["launched", "replayed", "replayed", "replayed"]
+    assert len(calls) == 1 and len(_StubGraph.made) == 1 and len(stub_cache) == 1
+    assert _StubGraph.made[0].hits == 2  # the calls after the capturing one
+    other_w = w.clone()  # same shape, another address: another graph
+    for _ in range(2):
+        stub_cache.call(_run(calls), (x, other_w), ("opts",))
+    assert len(stub_cache) == 2 and len(calls) == 2
+
+
+def test_a_failed_capture_runs_the_launches_and_is_not_tried_again(stub_cache, caplog):
+    x = torch.randn(4, 8)
+    calls = []
+    run = _run(calls)
+    run.fails_capture = True
+    with caplog.at_level("WARNING", logger="mok_compile.graphs"):
+        results = [stub_cache.call(run, (x,), ()) for _ in range(4)]
+    assert [r[0] for r in results] == ["launched"] * 4
+    assert len(_StubGraph.made) == 1 and len(stub_cache) == 0
+    assert "could not be captured" in caplog.text and "operation not permitted" in caplog.text
+
+
+def test_a_call_that_raises_is_not_counted_as_seen(stub_cache):
+    x = torch.randn(4, 8)
+
+    def bad(*tensors):
+        raise ValueError("mok.fused_moe: bad input")
+
+    for _ in range(3):
+        with pytest.raises(ValueError, match="bad input"):
+            stub_cache.call(bad, (x,), ())
+    assert not _StubGraph.made
+
+
+def test_the_cache_stops_capturing_after_unused_evictions(stub_cache, monkeypatch):
+    monkeypatch.setattr(graphs, "_MAX_UNUSED", 2)
+    small = graphs.GraphCache(max_graphs=1)
+    xs = {T: torch.randn(T, 8) for T in range(1, 6)}
+    for x in xs.values():
+        for _ in range(2):
+            small.call(_run([]), (x,), ())
+    assert small.unused == 2 and len(small) == 1 and len(_StubGraph.made) == 3
+    assert small.call(_run([]), (xs[3],), ())[0] == "replayed"  # T=3's graph stays and still serves
+    assert small.call(_run([]), (xs[5],), ())[0] == "launched"  # T=5: seen twice, never captured
