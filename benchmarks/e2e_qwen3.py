@@ -103,11 +103,9 @@ def print_bound(results, layers, tokens):
 def decode(model, batches, out):
     """Per batch size: ms of a one-token forward of B sequences under inductor, mok, and mok without the op's
     graphs; x = inductor's time / that column's."""
-    from benchmarks.moe_layer import time_in_rounds
+    from benchmarks.moe_layer import time_in_rounds, with_op_graphs
     from mok_compile.backend import mok_backend
-    from mok_compile.kernels import graphs
 
-    bound = graphs.max_tokens or 512
     torch._dynamo.reset()
     torch._dynamo.config.cache_size_limit = 64
 
@@ -124,15 +122,9 @@ def decode(model, batches, out):
     for B in batches:
         ids = torch.randint(0, 151936, (B, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(B))
 
-        def forward(name, op_graphs):
-            def run():
-                graphs.max_tokens = bound if op_graphs else 0
-                with torch.no_grad():
-                    compiled[name](ids)
-            return run
-
-        timed = [("inductor", forward("inductor", False)), ("mok", forward("mok", True)),
-                 ("mok off", forward("mok", False))]
+        timed = [("inductor", with_op_graphs(functools.partial(compiled["inductor"], ids), False)),
+                 ("mok", with_op_graphs(functools.partial(compiled["mok"], ids), True)),
+                 ("mok off", with_op_graphs(functools.partial(compiled["mok"], ids), False))]
         for _, run in timed:  # compile, warm up, capture
             for _ in range(3):
                 run()
@@ -140,7 +132,6 @@ def decode(model, batches, out):
         results[B] = t
         print(f"| {B} | {t['inductor']:.3f} | {t['mok']:.3f} | {t['inductor'] / t['mok']:.2f} | {t['mok off']:.3f} "
               f"| {t['inductor'] / t['mok off']:.2f} |", flush=True)
-    graphs.max_tokens = bound
     with open(os.path.join(out, "e2e_qwen3_decode.json"), "w") as f:
         json.dump(results, f, indent=1)
 

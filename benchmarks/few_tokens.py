@@ -16,6 +16,7 @@ captures its whole decode step sees it (NOTES v25 (2)). Medians of 5 rounds of `
 step's weights would stay in L2 and the kernels would read faster than the timed replays (NOTES v26 (7)).
 """
 
+import functools
 import statistics
 import sys
 
@@ -23,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
-from benchmarks.moe_layer import SHAPES, build_block, graphed, make_runners, time_in_rounds
+from benchmarks.moe_layer import SHAPES, build_block, graphed, make_runners, time_in_rounds, with_op_graphs
 
 
 def kernels_of(replay) -> list:
@@ -44,32 +45,22 @@ def kernels_of(replay) -> list:
 
 def eager_ab(name: str, tokens: list, rounds: int = 5):
     """Per T: ms of compiled HF, mok and mok+comp with the op's graphs off and on, and mok from an outer graph."""
-    from mok_compile.kernels import graphs
-
     family, sizes, overrides, _ = SHAPES[name]
     runners = make_runners(family, build_block(family, sizes, overrides))
     torch._dynamo.config.cache_size_limit = 64
-    bound = graphs.max_tokens or 512
-
-    def with_graphs(fn, on):
-        def run():
-            graphs.max_tokens = bound if on else 0
-            with torch.no_grad():
-                fn(x)
-        return run
 
     print(f"{name}: ms per forward; x = hf+comp / column", flush=True)
     print("| T | hf+comp | mok, no graphs | mok | mok+comp, no graphs | mok+comp | mok from an outer graph |\n"
           "|---|---|---|---|---|---|---|", flush=True)
     for T in tokens:
         x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
-        timed = [("hf+comp", with_graphs(runners["hf+comp"], False))]
+        timed = [("hf+comp", with_op_graphs(functools.partial(runners["hf+comp"], x), False))]
         for which in ("mok", "mok+comp"):
-            timed += [(f"{which} off", with_graphs(runners[which], False)), (which, with_graphs(runners[which], True))]
+            timed += [(f"{which} off", with_op_graphs(functools.partial(runners[which], x), False)),
+                      (which, with_op_graphs(functools.partial(runners[which], x), True))]
         for _, run in timed:  # compile, warm up, capture
             for _ in range(3):
                 run()
-        graphs.max_tokens = bound
         with torch.no_grad():
             outer = graphed(lambda: runners["mok"](x))
         timed.append(("outer", outer))
@@ -77,7 +68,6 @@ def eager_ab(name: str, tokens: list, rounds: int = 5):
         hf = times["hf+comp"]
         cells = [f"{hf:.3f}"] + [f"{times[k]:.3f} ({hf / times[k]:.2f}x)" for k, _ in timed[1:]]
         print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
-    graphs.max_tokens = bound
 
 
 def main(name: str, tokens: list):

@@ -35,7 +35,8 @@ from . import launch, plan
 
 log = logging.getLogger("mok_compile.graphs")
 
-max_tokens = int(os.environ.get("MOK_GRAPH_TOKENS", "512"))
+DEFAULT_TOKENS = 512
+max_tokens = int(os.environ.get("MOK_GRAPH_TOKENS", DEFAULT_TOKENS))
 _MAX_GRAPHS = 64
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
 _MAX_SEEN = 1024

@@ -42,7 +42,7 @@ def _forward(tensors, kw, x=None, **extra):
         return moe.fused_moe_forward(x if x is not None else tensors[0], *tensors[1:], **kw, **extra)
 
 
-def _unplanned(tensors, kw, x, monkeypatch):
+def _launched(tensors, kw, x, monkeypatch):
     """The forward on x by its launches, with graphs off."""
     with monkeypatch.context() as m:
         m.setattr(graphs, "max_tokens", 0)
@@ -73,7 +73,7 @@ def test_replays_give_the_launches_bits_on_fresh_inputs(cache, monkeypatch, vari
         x = _fresh_x(tensors, step)
         got = _forward(tensors, kw, x)
         assert len(replays) == max(0, step), f"step {step}: {len(replays)} replays"
-        _equal(got, _unplanned(tensors, kw, x, monkeypatch))
+        _equal(got, _launched(tensors, kw, x, monkeypatch))
     assert len(cache) == 1
 
 
@@ -85,7 +85,7 @@ def test_a_strided_x_replays_the_launches_bits(cache, monkeypatch):
         wide = torch.cat([_fresh_x(tensors, step), _fresh_x(tensors, step + 10)], dim=1)
         x = wide[:, 64:192]
         assert not x.is_contiguous()
-        _equal(_forward(tensors, kw, x), _unplanned(tensors, kw, x, monkeypatch))
+        _equal(_forward(tensors, kw, x), _launched(tensors, kw, x, monkeypatch))
     assert len(cache) == 1
 
 
@@ -99,14 +99,14 @@ def test_weights_written_in_place_are_read_and_new_weights_get_their_own_graph(c
         tensors[4].mul_(1.5)  # gate_up_proj, as an optimizer step writes it
         tensors[1].add_(0.25)  # the router
     x = _fresh_x(tensors, 7)
-    _equal(_forward(tensors, kw, x), _unplanned(tensors, kw, x, monkeypatch))
+    _equal(_forward(tensors, kw, x), _launched(tensors, kw, x, monkeypatch))
     assert len(cache) == 1
     other = list(tensors)
     other[6] = tensors[6].clone() * 2  # down_proj: a new tensor at another address
     for _ in range(2):
         got = _forward(other, kw, x)
     assert len(cache) == 2
-    _equal(got, _unplanned(other, kw, x, monkeypatch))
+    _equal(got, _launched(other, kw, x, monkeypatch))
 
 
 @pytest.mark.gpu
@@ -145,7 +145,7 @@ def test_no_capture_inside_another_capture(cache, monkeypatch):
     assert len(cache) == 1
     x.copy_(_fresh_x(tensors, 3))
     outer.replay()
-    _equal(out, _unplanned(tensors, kw, x, monkeypatch))
+    _equal(out, _launched(tensors, kw, x, monkeypatch))
 
 
 @pytest.mark.gpu
@@ -160,7 +160,7 @@ def test_outputs_are_new_tensors_and_inference_mode_works(cache, monkeypatch):
         assert len({a.data_ptr(), b.data_ptr(), c.data_ptr()}) == 3
     _equal(first[1], kept)  # not overwritten by later replays
     x = _fresh_x(tensors, 5)
-    _equal(second, _unplanned(tensors, kw, x, monkeypatch))
+    _equal(second, _launched(tensors, kw, x, monkeypatch))
 
 
 @pytest.mark.gpu
@@ -171,7 +171,7 @@ def test_threads_on_one_stream_each_get_their_own_output(cache, monkeypatch):
 
     tensors, kw = make_case("qwen3", T=12, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     xs = [_fresh_x(tensors, s) for s in range(8)]
-    want = [_unplanned(tensors, kw, x, monkeypatch) for x in xs]
+    want = [_launched(tensors, kw, x, monkeypatch) for x in xs]
     for _ in range(2):
         _forward(tensors, kw)
     assert len(cache) == 1
