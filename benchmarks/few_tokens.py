@@ -3,11 +3,14 @@ from a CUDA graph, and the kernels of one replay of each (torch.profiler).
 
     python benchmarks/few_tokens.py qwen3 1,4,16,64
     python benchmarks/few_tokens.py qwen3 1,16,64,256 --eager
+    python benchmarks/few_tokens.py qwen3 1,16,64,256 --train
 
 With --eager it times what a caller without CUDA graphs of its own gets instead (NOTES v49): compiled HF, the op
 called eagerly and transformers' block under `backend="mok"` (default mode), each with the op's own few-token
 graphs (`mok_compile.kernels.graphs`) off and on, in the same alternating rounds, and the op replayed from an outer
-graph (its GPU time) as the bound; x = compiled HF's time / that column's.
+graph (its GPU time) as the bound; x = compiled HF's time / that column's. With --train the same for a training
+step (forward + backward of the layer benchmark's loss, x and every weight requiring grad; NOTES v50): the op's
+graphs then serve the training forward, and the backward runs its launches.
 
 At a few tokens the eager and compiled columns of `benchmarks.moe_layer` time the host (and under
 `--mode reduce-overhead`, inductor's CUDA-graph wrapper); this times the GPU work alone, as a serving stack that
@@ -24,7 +27,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
-from benchmarks.moe_layer import SHAPES, build_block, graphed, make_runners, time_in_rounds, with_op_graphs
+from benchmarks.moe_layer import (SHAPES, build_block, fwd_bwd, graphed, make_runners, time_in_rounds,
+                                  with_op_graphs)
 
 
 def kernels_of(replay) -> list:
@@ -43,26 +47,35 @@ def kernels_of(replay) -> list:
     return [(e.time_range.start - t0, e.time_range.elapsed_us(), e.name) for e in events]
 
 
-def eager_ab(name: str, tokens: list, rounds: int = 5):
-    """Per T: ms of compiled HF, mok and mok+comp with the op's graphs off and on, and mok from an outer graph."""
+def eager_ab(name: str, tokens: list, rounds: int = 5, train: bool = False):
+    """Per T: ms of compiled HF, mok and mok+comp with the op's graphs off and on, and mok from an outer graph;
+    forwards, or with `train` training steps."""
     family, sizes, overrides, _ = SHAPES[name]
-    runners = make_runners(family, build_block(family, sizes, overrides))
+    block = build_block(family, sizes, overrides)
+    runners = make_runners(family, block)
+    params = [p for p in block.parameters() if p.requires_grad]
     torch._dynamo.config.cache_size_limit = 64
 
-    print(f"{name}: ms per forward; x = hf+comp / column", flush=True)
+    print(f"{name}: ms per {'training step' if train else 'forward'}; x = hf+comp / column", flush=True)
     print("| T | hf+comp | mok, no graphs | mok | mok+comp, no graphs | mok+comp | mok from an outer graph |\n"
           "|---|---|---|---|---|---|---|", flush=True)
     for T in tokens:
         x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
-        timed = [("hf+comp", with_op_graphs(functools.partial(runners["hf+comp"], x), False))]
+
+        def step(which):
+            if train:
+                return fwd_bwd(runners[which], x.clone().requires_grad_(), params)
+            return functools.partial(runners[which], x)
+
+        timed = [("hf+comp", with_op_graphs(step("hf+comp"), False, grad=train))]
         for which in ("mok", "mok+comp"):
-            timed += [(f"{which} off", with_op_graphs(functools.partial(runners[which], x), False)),
-                      (which, with_op_graphs(functools.partial(runners[which], x), True))]
+            timed += [(f"{which} off", with_op_graphs(step(which), False, grad=train)),
+                      (which, with_op_graphs(step(which), True, grad=train))]
         for _, run in timed:  # compile, warm up, capture
             for _ in range(3):
                 run()
-        with torch.no_grad():
-            outer = graphed(lambda: runners["mok"](x))
+        with torch.set_grad_enabled(train):
+            outer = graphed(step("mok"))
         timed.append(("outer", outer))
         times = {k: statistics.median(v) for k, v in time_in_rounds(timed, rounds).items()}
         hf = times["hf+comp"]
@@ -98,4 +111,8 @@ def main(name: str, tokens: list):
 
 
 if __name__ == "__main__":
-    (eager_ab if "--eager" in sys.argv[3:] else main)(sys.argv[1], [int(t) for t in sys.argv[2].split(",")])
+    shape, tokens, flags = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], sys.argv[3:]
+    if "--eager" in flags or "--train" in flags:
+        eager_ab(shape, tokens, train="--train" in flags)
+    else:
+        main(shape, tokens)

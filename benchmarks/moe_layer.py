@@ -285,10 +285,11 @@ def write_json(out_dir, name, obj):
         json.dump(obj, f, indent=1)
 
 
-def with_op_graphs(fn, on: bool):
-    """`fn()` under no_grad with the op's few-token CUDA graphs (`mok_compile.kernels.graphs`) on, up to
-    MOK_GRAPH_TOKENS (or their default bound where that turned them off), or off; the setting is restored after
-    each call. The A/B of NOTES v49, in one process."""
+def with_op_graphs(fn, on: bool, grad: bool = False):
+    """`fn()` with the op's few-token CUDA graphs (`mok_compile.kernels.graphs`) on, up to MOK_GRAPH_TOKENS (or
+    their default bound where that turned them off), or off; the setting is restored after each call. Under
+    no_grad unless `grad` (a training step: its forward is the training forward). The A/B of NOTES v49-v50, in one
+    process."""
     from mok_compile.kernels import graphs
 
     bound = (graphs.max_tokens or graphs.DEFAULT_TOKENS) if on else 0
@@ -296,7 +297,7 @@ def with_op_graphs(fn, on: bool):
     def run():
         before, graphs.max_tokens = graphs.max_tokens, bound
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
                 return fn()
         finally:
             graphs.max_tokens = before

@@ -1,17 +1,18 @@
-"""Few-token inference forwards replayed from CUDA graphs.
+"""Few-token forwards replayed from CUDA graphs.
 
 At a few hundred tokens and fewer the forward's GPU time (47 us for one Qwen3-30B-A3B token, 0.34 ms for 256) is
 below the host time of its nine launches and the Python around them, even replayed from a launch plan (`plan.py`;
 benchmarks/NOTES-gpu.md v20-v23, v49): a caller that runs the op eagerly, or compiled in inductor's default mode,
-waits on the host. `GraphCache` captures the inference forward of one call signature in a CUDA graph and replays
-it: x copied into the graph's own input, one replay, the outputs copied out into new tensors. The graph holds the
+waits on the host. `GraphCache` captures the forward of one call signature in a CUDA graph and replays it: x
+copied into the graph's own input, one replay, the outputs copied out into new tensors. The graph holds the
 same kernels with the same configs as the launches it replaces, so the outputs are the same bits.
 
 A graph reads every tensor at the address it had at capture, so its key is a launch plan's signature
 (`plan.signature`: shapes, strides, dtypes, options, switches) plus the address of every tensor but x (weights
 updated in place, as by an optimizer step, are read as they are then; a new tensor gets a new graph) and the
-stream (a replay runs on its capture's stream). Only the inference forward is captured: the training forward's
-saved tensors and the backward's full-size weight gradients would have to be copied out of the graph's memory.
+stream (a replay runs on its capture's stream). The inference forward and the training forward (whose h, logits
+and layout for the backward are copied out too: K * 2I elements per token) are captured; the backward is not: its
+full-size weight gradients would have to be copied out of the graph's memory.
 
 Where: CUDA, 1 to `max_tokens` tokens (MOK_GRAPH_TOKENS, default 512; 0 turns graphs off), Triton's fast launch
 path usable (no profiler hooks), and no capture under way on this stream: `mode="reduce-overhead"` captures the op

@@ -297,8 +297,7 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     `save_gate_up` (`mok::fused_moe_train`) also what the backward reads instead of recomputing: h = x @ W1
     per pair in sorted order (before bias and activation, in the input dtype), the router logits ([0, E]
     where the router argument is the logits) and the `Dispatch.layout`. Replayed from a launch plan
-    (`plan.py`) where this call's signature has one; without `save_gate_up`, at few tokens, from a CUDA graph
-    (`graphs.py`)."""
+    (`plan.py`) where this call's signature has one; at few tokens, from a CUDA graph (`graphs.py`)."""
     tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
     kw = with_defaults(kw)
     options = (save_gate_up, tuple(kw.items()))
@@ -306,8 +305,6 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     def planned(*tensors):
         return _FORWARD_PLANS.call(lambda: _forward(*tensors, save_gate_up=save_gate_up, **kw), tensors, options)
 
-    if save_gate_up:
-        return planned(*tensors)
     return FORWARD_GRAPHS.call(planned, tensors, options)
 
 

@@ -1,4 +1,4 @@
-"""`moe_layer.with_op_graphs`, the op-graphs A/B of `few_tokens --eager` and `e2e_qwen3 --decode`, on the CPU."""
+"""`moe_layer.with_op_graphs`, the op-graphs A/B of `few_tokens` and `e2e_qwen3 --decode`, on the CPU."""
 
 import torch
 
@@ -19,3 +19,6 @@ def test_each_call_runs_with_the_graphs_set_and_restores_the_setting(monkeypatch
         assert with_op_graphs(fn, True)() == "out" and with_op_graphs(fn, False)() == "out"
         assert seen == [(start or graphs.DEFAULT_TOKENS, False), (0, False)]
         assert graphs.max_tokens == start
+        seen.clear()
+        assert with_op_graphs(fn, True, grad=True)() == "out"
+        assert seen == [(start or graphs.DEFAULT_TOKENS, True)]

@@ -1,12 +1,13 @@
-"""Few-token inference forwards replayed from CUDA graphs (`mok_compile.kernels.graphs`).
+"""Few-token forwards replayed from CUDA graphs (`mok_compile.kernels.graphs`).
 
 On the GPU: a signature's second call captures its forward and later calls replay it, with the same bits as the
 launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their
-own graph; the training forward, token counts above the bound and calls inside someone else's capture are never
-captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
-own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU tensors never take the graph path,
-and the cache's bookkeeping with captures stubbed (capture on the second call, a key per weight address, a failed
-capture not retried, a raising call not counted, capturing stopped after unused evictions).
+own graph; the training forward's six outputs replay bit for bit too; token counts above the bound and calls inside
+someone else's capture are never captured; outputs are new tensors; under inference mode it works as outside; two
+threads on one stream get their own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU
+tensors never take the graph path, and the cache's bookkeeping with captures stubbed (capture on the second call, a
+key per weight address, a failed capture not retried, a raising call not counted, capturing stopped after unused
+evictions).
 """
 
 import pytest
@@ -42,11 +43,11 @@ def _forward(tensors, kw, x=None, **extra):
         return moe.fused_moe_forward(x if x is not None else tensors[0], *tensors[1:], **kw, **extra)
 
 
-def _launched(tensors, kw, x, monkeypatch):
+def _launched(tensors, kw, x, monkeypatch, **extra):
     """The forward on x by its launches, with graphs off."""
     with monkeypatch.context() as m:
         m.setattr(graphs, "max_tokens", 0)
-        return _forward(tensors, kw, x)
+        return _forward(tensors, kw, x, **extra)
 
 
 def _fresh_x(tensors, seed):
@@ -54,8 +55,8 @@ def _fresh_x(tensors, seed):
     return (torch.randn(x.shape, device=x.device, generator=generator(seed, x.device)) * 0.5).to(x.dtype)
 
 
-def _equal(got, want):
-    assert len(got) == len(want) == 3
+def _equal(got, want, n=3):
+    assert len(got) == len(want) == n
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
 
@@ -110,11 +111,20 @@ def test_weights_written_in_place_are_read_and_new_weights_get_their_own_graph(c
 
 
 @pytest.mark.gpu
-def test_the_training_forward_and_more_tokens_than_the_bound_are_not_captured(cache, monkeypatch):
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3"])
+def test_training_forward_replays_give_the_launches_bits_for_every_output(cache, monkeypatch, variant):
+    """The training forward (`save_gate_up`): out, weights, ids and what the backward reads (h, logits, layout)."""
+    tensors, kw = make_case(variant, T=45, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    for step in range(3):
+        x = _fresh_x(tensors, step)
+        _equal(_forward(tensors, kw, x, save_gate_up=True),
+               _launched(tensors, kw, x, monkeypatch, save_gate_up=True), n=6)
+    assert len(cache) == 1
+
+
+@pytest.mark.gpu
+def test_more_tokens_than_the_bound_are_not_captured(cache, monkeypatch):
     tensors, kw = make_case("qwen3", T=40, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        _forward(tensors, kw, save_gate_up=True)
-    assert len(cache) == 0
     monkeypatch.setattr(graphs, "max_tokens", 39)
     for _ in range(3):
         _forward(tensors, kw)
