@@ -33,13 +33,14 @@ from mok_compile.kernels import configs, moe
 
 
 def use_table(path: str):
-    """The op's configs from the table in `path` from now on. Launch plans and captured forwards hold the kernels they
+    """The op's configs from the table in `path` from now on. Launch plans and captured graphs hold the kernels they
     recorded and their keys do not cover the table, so they are dropped too."""
     configs._JSON = path
     configs._tuned.cache_clear()
     moe._FORWARD_PLANS.clear()
     moe._BACKWARD_PLANS.clear()
     moe.FORWARD_GRAPHS.clear()
+    moe.BACKWARD_GRAPHS.clear()
 
 
 _COMMITTED = configs._JSON

@@ -41,36 +41,53 @@ max_tokens = int(os.environ.get("MOK_GRAPH_TOKENS", DEFAULT_TOKENS))
 _MAX_GRAPHS = 64
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
 _MAX_SEEN = 1024
+_MAX_BYTES = 1 << 30  # what a cache's graphs keep of their own (inputs, outputs, tensors `finish` reads)
 _ALIGN = 256  # bytes: the most alignment cuBLAS's heuristics look at
 
 
 class _Graph:
-    """One captured forward: its input buffer, its graph and the outputs the graph writes."""
+    """One captured call: its input buffers, its graph, the outputs the graph writes, and what runs after each
+    replay (`finish`: launches that write new tensors, the backward's weight gradients)."""
 
-    __slots__ = ("x", "graph", "outputs", "hits")
+    __slots__ = ("inputs", "copied", "graph", "outputs", "finish", "plan", "nbytes", "hits")
 
-    def __init__(self, run, tensors, stream, pool):
-        x = tensors[0]
-        current = torch.cuda.current_stream(x.device)
+    def __init__(self, capture, tensors, copied, stream, pool):
+        current = torch.cuda.current_stream(tensors[0].device)
         # Plain tensors even under inference_mode: the buffers are written on every replay, which an inference
         # tensor allows only inside inference mode.
         with torch.inference_mode(False), torch.no_grad():
-            self.x = _like_aligned(x)
-            self.x.copy_(x)
-            args = (self.x, *tensors[1:])
+            self.copied = [i for i in copied if tensors[i] is not None]
+            args = list(tensors)
+            for i in self.copied:
+                args[i] = _like_aligned(tensors[i])
+                args[i].copy_(tensors[i])
+            self.inputs = [args[i] for i in self.copied]
             stream.wait_stream(current)
             with torch.cuda.stream(stream):  # warm-up on the capture stream (cuBLAS's per-stream workspace)
-                run(*args)
+                capture(*args)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self.outputs = run(*args)
+                self.outputs, self.finish = capture(*args)
             current.wait_stream(stream)
+        self.plan = None
+        kept = [*self.inputs, *self.outputs, *(self.finish[1] if self.finish else ())]
+        self.nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                           for t in kept if t is not None}.values())
         self.hits = 0  # calls served after the capturing one
 
-    def replay(self, x):
-        self.x.copy_(x)
+    def replay(self, tensors):
+        for i, buf in zip(self.copied, self.inputs):
+            buf.copy_(tensors[i])
         self.graph.replay()
-        return tuple([t.clone() for t in self.outputs])
+        out = tuple([None if t is None else t.clone() for t in self.outputs])
+        if self.finish is None:
+            return out
+        fn, held = self.finish
+        if self.plan is None:  # recorded on the first replay (plan.py), so later ones skip its Python
+            recorded, result = plan.Plan.record(lambda: fn(*held), held) if plan.enabled else (False, fn(*held))
+            self.plan = recorded or False
+            return out + tuple(result)
+        return out + tuple(self.plan.replay(held) if self.plan else fn(*held))
 
 
 def _alignment(x) -> int:
@@ -88,33 +105,41 @@ def _like_aligned(x):
 
 
 def eligible(x) -> bool:
-    """Whether a forward on `x` may be replayed from a graph (see the module docstring)."""
+    """Whether a call whose first tensor is `x` may be replayed from a graph (see the module docstring)."""
     return (0 < x.shape[0] <= max_tokens and x.is_cuda and x.get_device() == torch._C._cuda_getDevice()
             and launch.fast_launch and not launch._hooks_set() and not torch.cuda.is_current_stream_capturing())
 
 
 class GraphCache:
-    """Captured forwards of one entry point, by key (see the module docstring)."""
+    """Captured calls of one entry point, by key (see the module docstring). `copied`: the positions of the
+    call's per-call tensors (x for the forward), copied into the graph's own buffers on each replay; every other
+    tensor is read where it was at capture and keys the graph by its address."""
 
-    def __init__(self, max_graphs: int = _MAX_GRAPHS):
+    def __init__(self, copied=(0,), max_graphs: int = _MAX_GRAPHS, max_bytes: int = _MAX_BYTES):
+        self._copied = tuple(copied)
         self._graphs = collections.OrderedDict()
         self._seen = collections.OrderedDict()  # key -> True (seen once) or False (its capture failed)
         self._pools = {}
         self._streams = {}
-        self._max = max_graphs
+        self._max, self._max_bytes, self._bytes = max_graphs, max_bytes, 0
         self._lock = threading.Lock()
         self.unused = 0  # graphs evicted before serving a call after their capture
 
-    def call(self, run, tensors, options):
-        """`run(*tensors)`, the forward over `tensors` (x first; None for absent ones) with `options`
-        (hashable: everything else it takes), or its graph's replay."""
+    def call(self, run, tensors, options, capture=None):
+        """`run(*tensors)`, the entry point over `tensors` (its tensor arguments, None for absent ones; the first
+        fixes the token count) with `options` (hashable: everything else it takes), or its graph's replay.
+        `capture(*tensors)`, where given, is what a graph records instead: (outputs, finish), finish None or
+        (fn, tensors), `fn(*tensors)` launched after each replay for the rest of the outputs (new tensors)."""
         x = tensors[0]
         if not eligible(x):
             return run(*tensors)
         try:
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-            key = (plan.signature(tensors, options), _alignment(x),
-                   tuple([None if t is None else t.data_ptr() for t in tensors[1:]]), stream)
+            copied = self._copied
+            key = (plan.signature(tensors, options),
+                   tuple([None if tensors[i] is None else _alignment(tensors[i]) for i in copied]),
+                   tuple([None if t is None or i in copied else t.data_ptr() for i, t in enumerate(tensors)]),
+                   stream)
             graph = self._graphs.get(key)
         except TypeError:  # an unhashable option: no graph
             return run(*tensors)
@@ -123,7 +148,7 @@ class GraphCache:
                 if key in self._graphs:  # (not evicted by another thread since)
                     self._graphs.move_to_end(key)
                 graph.hits += 1
-                return graph.replay(x)
+                return graph.replay(tensors)
         seen = self._seen.get(key)
         if seen is None or seen is False or self.unused >= _MAX_UNUSED:
             out = run(*tensors)
@@ -132,20 +157,23 @@ class GraphCache:
             return out
         with self._lock:
             try:
-                graph = _Graph(run, tensors, self._stream(x.device), self._pool(x.device, stream))
+                graph = _Graph(capture or (lambda *t: (run(*t), None)), tensors, copied, self._stream(x.device),
+                               self._pool(x.device, stream))
             except Exception as err:  # never fails the call: it runs unrecorded, as before
-                log.warning("mok_compile: a forward of %d tokens could not be captured in a CUDA graph (%s: %s); "
+                log.warning("mok_compile: a call of %d tokens could not be captured in a CUDA graph (%s: %s); "
                             "that signature runs without one", x.shape[0], type(err).__name__, err)
                 self._seen[key] = False
                 return run(*tensors)
             self._graphs[key] = graph
-            while len(self._graphs) > self._max:
+            self._bytes += graph.nbytes
+            while len(self._graphs) > self._max or (self._bytes > self._max_bytes and len(self._graphs) > 1):
                 _, old = self._graphs.popitem(last=False)
+                self._bytes -= old.nbytes
                 self.unused += old.hits == 0
             if self.unused >= _MAX_UNUSED:
-                log.info("mok_compile: %d CUDA graphs left the cache unreplayed; no more forwards are captured",
+                log.info("mok_compile: %d CUDA graphs left the cache unreplayed; no more calls are captured",
                          self.unused)
-            return graph.replay(x)
+            return graph.replay(tensors)
 
     def _stream(self, device):
         """The side stream captures run on, one per device."""
@@ -168,6 +196,7 @@ class GraphCache:
     def clear(self):
         """Drop every graph (their memory returns to PyTorch's allocator) and what was seen."""
         self._graphs.clear()
+        self._bytes = 0
         self._seen.clear()
         self._pools.clear()
         self.unused = 0

@@ -46,6 +46,7 @@ Weight on input (Llama4, `weight_on_input=True`): the same launches behind const
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -372,6 +373,9 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
 
 
 _BACKWARD_PLANS = plan.PlanCache()
+# The per-call tensors of a backward (grad_out, grad_topk_weights, hidden_states, topk_weights, topk_ids, h, logits,
+# layout), copied into a graph's buffers; the weights key it by address.
+BACKWARD_GRAPHS = graphs.GraphCache(copied=(0, 1, 2, 10, 11, 12, 13, 14))
 
 
 def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
@@ -379,12 +383,22 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     """Gradients with the semantics of `reference.fused_moe_backward_reference`. `gate_up_out`, `router_logits`,
     `routing_layout`: h, the logits and the dispatch layout returned by `fused_moe_forward(save_gate_up=True)`;
     the backward then skips recomputing them (the gate_up GEMM; the router GEMM; count, scan and scatter).
-    Replayed from a launch plan (`plan.py`) where this call's signature has one."""
+    Replayed from a launch plan (`plan.py`) where this call's signature has one; at few tokens, all but the weight
+    gradients from a CUDA graph (`graphs.py`), which cannot write the new full-size tensors those are: they are
+    launched after each replay, from the graph's dh and w * act(h)."""
     kw = with_defaults(kw)
     tensors = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, kw.pop("gate_up_out", None),
                kw.pop("router_logits", None), kw.pop("routing_layout", None))
-    return _BACKWARD_PLANS.call(lambda: _backward(*tensors, **kw), tensors, tuple(kw.items()))
+    options = tuple(kw.items())
+
+    def planned(*tensors):
+        return _BACKWARD_PLANS.call(lambda: _backward(*tensors, **kw), tensors, options)
+
+    def capture(*tensors):  # h is the graph's copy: dh need not go over it, nor its memory be freed
+        return _backward(*tensors, defer_weight_gradients=True, **{**kw, "overwrite_gate_up_out": False})
+
+    return BACKWARD_GRAPHS.call(planned, tensors, options, capture=capture)
 
 
 def _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, scale):
@@ -402,7 +416,9 @@ def _free_storage(t):
 
 def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
-              **kw):
+              defer_weight_gradients=False, **kw):
+    """The backward's launches. `defer_weight_gradients` (a graph's capture, T > 0): return ((d_x, d_router,
+    d_router_bias), (fn, tensors)), the weight gradients left to `fn(*tensors)`."""
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -461,47 +477,17 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                                                        I, kw, rows_per_expert, precision, (w1_k, w1_n),
                                                        (w2_h, w2_i), col_mul, up_off, act_code)
 
-    # Weight gradients: each expert's rows reduced in sorted order.
-    d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
-    d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
-    wgrad_eng = eng["wgrad"]
-    if wgrad_eng == "sm90" and go.data_ptr() % 16:  # the CUDA kernel reads grad_out rows in 16-byte chunks
-        wgrad_eng = "cutlass"
-    if wgrad_eng == "sm90":  # rows gathered in-kernel
-        del gos, xs
-        d_down = torch.empty_like(down_proj)
-        if transposed:
-            wgrad_sm90.wgrad(act_w, go, disp, d_down, q_gather=True)
-        else:
-            wgrad_sm90.wgrad(go, act_w, disp, d_down, p_gather=True)
-        del act_w  # its last read: freed before d_gu is made, as on the other engines
-        d_gu = torch.empty_like(gate_up_proj)
-        if transposed:
-            wgrad_sm90.wgrad(x, dh, disp, d_gu, p_gather=True)
-        else:
-            wgrad_sm90.wgrad(dh, x, disp, d_gu, q_gather=True)
-        _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
-    elif wgrad_eng == "cutlass":
-        if gos is None:
-            gos = cutlass_gemm.gather_rows(go, disp)
-        d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
-        del gos, act_w
-        if xs is None:
-            xs = cutlass_gemm.gather_rows(x, disp, scale=w_flat if woi else None)
-        d_gu = cutlass_gemm.wgrad(xs, dh, disp) if transposed else cutlass_gemm.wgrad(dh, xs, disp)
-        del xs
-        _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
+    # Weight gradients: each expert's rows reduced in sorted order. Deferred (a graph's capture): launched after
+    # each replay of the rest, into new tensors (`graphs.GraphCache`'s finish).
+    weight_gradients = functools.partial(_weight_gradients, eng=eng, kw=kw, top_k=K,
+                                         rows_per_expert=rows_per_expert, precision=precision)
+    work = [disp.layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
+    del act_w, gos, xs  # (held by `work` alone: the weight gradients free them after their last read)
+    if defer_weight_gradients:
+        deferred = (lambda *held: weight_gradients(list(held)), work)
     else:
-        del gos, xs
-        wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
-        d_down = torch.empty_like(down_proj)
-        _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True,
-               q_gather=False, strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
-        del act_w  # its last read: freed before d_gu is made (peak memory; NOTES v39)
-        d_gu = torch.empty_like(gate_up_proj)
-        _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
-               strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
-               q_scale=w_flat if woi else None)
+        d_gu, d_gu_bias, d_down, d_down_bias = weight_gradients(work, disp=disp)
+    del work
 
     # d(input) of each pair, summed per token by the final combine.
     if eng["dgrad"] == "cutlass":
@@ -552,7 +538,68 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     # Weight on input: dx[t] = sum_k w[t,k] * dxs[pos(t,k)] in fp32 (the product not rounded).
     d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
                   round_product=False if woi else None)
+    if defer_weight_gradients:
+        return (d_x, d_router, d_router_bias), deferred
     return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias
+
+
+def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=None):
+    """(d_gu, d_gu_bias, d_down, d_down_bias), each expert's rows reduced in sorted order, from `work` =
+    [layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias] (`gos`, `xs`: the
+    sorted go and x rows where the backward made them, else None). act_w, gos and xs are taken out of the list, so
+    that where the caller keeps no other reference each is freed after its last read, before the next gradient is
+    allocated (peak memory; NOTES v39)."""
+    layout, go, x, w_flat, _, dh, _, _, gate_up_proj, gate_up_bias, down_proj, down_bias = work
+    act_w, gos, xs = work[4], work[6], work[7]
+    work[4] = work[6] = work[7] = None
+    E, I = _sizes(gate_up_proj, down_proj, kw)
+    if disp is None:
+        disp = Dispatch.from_layout(layout, E, top_k, w_flat.shape[0])
+    H = x.shape[1]
+    transposed, woi = kw["transposed"], kw.get("weight_on_input", False)
+    up_out = 2 if kw["gated"] else 1
+    d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
+    d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
+    wgrad_eng = eng["wgrad"]
+    if wgrad_eng == "sm90" and go.data_ptr() % 16:  # the CUDA kernel reads grad_out rows in 16-byte chunks
+        wgrad_eng = "cutlass"
+    if wgrad_eng == "sm90":  # rows gathered in-kernel
+        del gos, xs
+        d_down = torch.empty_like(down_proj)
+        if transposed:
+            wgrad_sm90.wgrad(act_w, go, disp, d_down, q_gather=True)
+        else:
+            wgrad_sm90.wgrad(go, act_w, disp, d_down, p_gather=True)
+        del act_w  # its last read: freed before d_gu is made, as on the other engines
+        d_gu = torch.empty_like(gate_up_proj)
+        if transposed:
+            wgrad_sm90.wgrad(x, dh, disp, d_gu, p_gather=True)
+        else:
+            wgrad_sm90.wgrad(dh, x, disp, d_gu, q_gather=True)
+        _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
+    elif wgrad_eng == "cutlass":
+        if gos is None:
+            gos = cutlass_gemm.gather_rows(go, disp)
+        d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
+        del gos, act_w
+        if xs is None:
+            xs = cutlass_gemm.gather_rows(x, disp, scale=w_flat if woi else None)
+        d_gu = cutlass_gemm.wgrad(xs, dh, disp) if transposed else cutlass_gemm.wgrad(dh, xs, disp)
+        del xs
+        _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
+    else:
+        del gos, xs
+        wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
+        d_down = torch.empty_like(down_proj)
+        _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True,
+               q_gather=False, strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
+        del act_w  # its last read: freed before d_gu is made (peak memory; NOTES v39)
+        d_gu = torch.empty_like(gate_up_proj)
+        _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
+               strides_pq=_gate_up_strides(d_gu, transposed)[::-1], cfg=wcfg, precision=precision,
+               q_scale=w_flat if woi else None)
+
+    return d_gu, d_gu_bias, d_down, d_down_bias
 
 
 def _g2_triton(go, disp, down_proj, w2_kn_strides, I, kw, rows_per_expert, precision):

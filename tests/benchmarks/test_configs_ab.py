@@ -23,9 +23,11 @@ def test_use_table_switches_the_configs_and_drops_the_launch_plans(tmp_path, mon
     try:
         moe._FORWARD_PLANS._plans["recorded under the committed table"] = None
         moe.FORWARD_GRAPHS._graphs["captured under the committed table"] = None
+        moe.BACKWARD_GRAPHS._graphs["captured under the committed table"] = None
         use_table(str(path))
         assert configs.config("gate_up", torch.bfloat16, 256, dev) == mine != committed
         assert not moe._FORWARD_PLANS._plans and not moe._BACKWARD_PLANS._plans and not len(moe.FORWARD_GRAPHS)
+        assert not len(moe.BACKWARD_GRAPHS)
     finally:
         use_table(before)
     assert configs.config("gate_up", torch.bfloat16, 256, dev) == committed

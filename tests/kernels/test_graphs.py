@@ -1,13 +1,16 @@
-"""Few-token forwards replayed from CUDA graphs (`mok_compile.kernels.graphs`).
+"""Few-token forwards and backwards replayed from CUDA graphs (`mok_compile.kernels.graphs`).
 
 On the GPU: a signature's second call captures its forward and later calls replay it, with the same bits as the
 launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their
-own graph; the training forward's six outputs replay bit for bit too; token counts above the bound and calls inside
-someone else's capture are never captured; outputs are new tensors; under inference mode it works as outside; two
-threads on one stream get their own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU
-tensors never take the graph path, and the cache's bookkeeping with captures stubbed (capture on the second call, a
-key per weight address, a failed capture not retried, a raising call not counted, capturing stopped after unused
-evictions).
+own graph; the training forward's six outputs replay bit for bit too; so do the backward's seven gradients (its
+weight gradients launched after each replay), recomputing, reading the saved tensors or consuming h, on either
+engine, and whole training steps through autograd with gradients accumulated and weights updated in place; token
+counts above the bound and calls inside someone else's capture are never captured; outputs are new tensors; under
+inference mode it works as outside; two threads on one stream get their own outputs. On the CPU: the copy of x
+keeps the alignment the launches read, CPU tensors never take the graph path, and the cache's bookkeeping with
+captures stubbed (capture on the second call, a key per weight address but not per copied tensor, a failed capture
+not retried, a raising call not counted, capturing stopped after unused evictions, graphs dropped past the byte
+bound).
 """
 
 import pytest
@@ -120,6 +123,112 @@ def test_training_forward_replays_give_the_launches_bits_for_every_output(cache,
         _equal(_forward(tensors, kw, x, save_gate_up=True),
                _launched(tensors, kw, x, monkeypatch, save_gate_up=True), n=6)
     assert len(cache) == 1
+
+
+@pytest.fixture
+def backward_cache(monkeypatch):
+    """A fresh graph cache for the backward, graphs on up to 512 tokens."""
+    from mok_compile.kernels import moe
+
+    fresh = graphs.GraphCache(copied=moe.BACKWARD_GRAPHS._copied)
+    monkeypatch.setattr(moe, "BACKWARD_GRAPHS", fresh)
+    monkeypatch.setattr(graphs, "max_tokens", 512)
+    return fresh
+
+
+def _backward_calls(tensors, kw, seed, form, monkeypatch):
+    """(per-call arguments, kwargs) of a backward after a training forward on fresh x (by its launches), with fresh
+    grad_out and grad_topk_weights; `form`: "recompute" (no saved tensors), "saved" or "consume" (h overwritten)."""
+    x = _fresh_x(tensors, seed)
+    out, w, ids, h, logits, layout = _launched(tensors, kw, x, monkeypatch, save_gate_up=True)
+    g = generator(seed + 100, "cuda")
+    go = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+    gw = torch.randn(w.shape, device="cuda", generator=g).to(w.dtype)
+    extra = {} if form == "recompute" else dict(gate_up_out=h, router_logits=logits, routing_layout=layout,
+                                                overwrite_gate_up_out=form == "consume")
+    return (go, gw, x, w, ids), extra
+
+
+def _backward(tensors, kw, calls):
+    from mok_compile.kernels import moe
+
+    (go, gw, x, w, ids), extra = calls
+    extra = {k: v.clone() if k == "gate_up_out" else v for k, v in extra.items()}  # (consumed: each call its own)
+    return moe.fused_moe_backward(go, gw, x, *tensors[1:], w, ids, **kw, **extra)
+
+
+def _equal_grads(got, want):
+    assert len(got) == len(want) == 7
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T", [1, 37, 300])
+@pytest.mark.parametrize("form", ["recompute", "saved", "consume"])
+def test_backward_replays_give_the_launches_bits_for_every_gradient(backward_cache, monkeypatch, variant, T, form):
+    H, I, E, K = _sizes(variant)
+    tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
+    for step in range(4):  # seen, captured (and replayed), then two replays
+        calls = _backward_calls(tensors, kw, step, form, monkeypatch)
+        got = _backward(tensors, kw, calls)
+        assert len(replays) == max(0, step), f"step {step}: {len(replays)} replays"
+        with monkeypatch.context() as m:
+            m.setattr(graphs, "max_tokens", 0)
+            _equal_grads(got, _backward(tensors, kw, calls))
+    assert len(backward_cache) == 1
+    (graph,) = backward_cache._graphs.values()
+    assert graph.finish is not None and graph.plan  # the weight gradients, replayed from a launch plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["cutlass", "gathered=triton,sorted=cutlass,wgrad=cutlass"])
+def test_backward_replays_on_the_cutlass_engine(backward_cache, monkeypatch, engine):
+    """The CUTLASS weight gradients read the graph's sorted copies of go (and x, where h is recomputed)."""
+    monkeypatch.setenv("MOK_GEMM_ENGINE", engine)
+    tensors, kw = make_case("qwen3", T=40, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    for form in ("recompute", "saved"):
+        for step in range(3):
+            calls = _backward_calls(tensors, kw, step, form, monkeypatch)
+            got = _backward(tensors, kw, calls)
+            with monkeypatch.context() as m:
+                m.setattr(graphs, "max_tokens", 0)
+                _equal_grads(got, _backward(tensors, kw, calls))
+    assert len(backward_cache) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss"])
+def test_training_steps_through_autograd_equal_the_launches(backward_cache, cache, monkeypatch, variant):
+    """Two models with the same weights, the op's graphs on in one and off in the other: three optimizer steps of
+    two accumulated micro-batches each (the second adds the replay's gradients to .grad) give the same bits."""
+    H, I, E, K = _sizes(variant)
+    tensors, kw = make_case(variant, T=24, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
+    sides = {on: [None if t is None else torch.nn.Parameter(t.clone()) for t in tensors[1:]] for on in (True, False)}
+    for step in range(3):
+        for micro in range(2):
+            x = _fresh_x(tensors, 10 * step + micro)
+            for on, params in sides.items():
+                with monkeypatch.context() as m:
+                    m.setattr(graphs, "max_tokens", 512 if on else 0)
+                    out, w, _ = torch.ops.mok.fused_moe(x.clone().requires_grad_(), *params, **kw)
+                    (out.float().square().mean() + w.float().sum() * 0.1).backward()
+        for a, b in zip(sides[True], sides[False]):
+            if a is not None and a.grad is not None:
+                assert torch.equal(a.grad, b.grad)
+        with torch.no_grad():
+            for params in sides.values():
+                for p in params:
+                    if p is not None and p.grad is not None:
+                        p.sub_(p.grad.to(p.dtype) * 0.5)
+                        p.grad = None
+    assert len(cache) == 1 and len(backward_cache) == 1
 
 
 @pytest.mark.gpu
@@ -241,15 +350,15 @@ class _StubGraph:
     CPU; the GPU tests above capture for real)."""
 
     made = []
+    nbytes = 100
 
-    def __init__(self, run, tensors, stream, pool):
+    def __init__(self, capture, tensors, copied, stream, pool):
         self.hits, self.tensors = 0, tensors
         _StubGraph.made.append(self)
-        if getattr(run, "fails_capture", False):
-            raise RuntimeError("operation not permitted when stream is capturing")
+        capture(*tensors)  # (the stub's runs raise where a capture would fail)
 
-    def replay(self, x):
-        return ("replayed", x)
+    def replay(self, tensors):
+        return ("replayed", tensors[0])
 
 
 @pytest.fixture
@@ -277,22 +386,24 @@ def test_a_signature_is_captured_on_its_second_call_and_replayed_after(stub_cach
     calls = []
     results = [stub_cache.call(_run(calls), (x, w), ("opts",)) for _ in range(4)]
     assert [r[0] for r in results] == ["launched", "replayed", "replayed", "replayed"]
-    assert len(calls) == 1 and len(_StubGraph.made) == 1 and len(stub_cache) == 1
+    assert len(calls) == 2 and len(_StubGraph.made) == 1 and len(stub_cache) == 1  # the first call, the capture
     assert _StubGraph.made[0].hits == 2  # the calls after the capturing one
     other_w = w.clone()  # same shape, another address: another graph
     for _ in range(2):
         stub_cache.call(_run(calls), (x, other_w), ("opts",))
-    assert len(stub_cache) == 2 and len(calls) == 2
+    assert len(stub_cache) == 2 and len(calls) == 4
 
 
 def test_a_failed_capture_runs_the_launches_and_is_not_tried_again(stub_cache, caplog):
     x = torch.randn(4, 8)
     calls = []
-    run = _run(calls)
-    run.fails_capture = True
+
+    def fails_capture(*tensors):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
     with caplog.at_level("WARNING", logger="mok_compile.graphs"):
-        results = [stub_cache.call(run, (x,), ()) for _ in range(4)]
-    assert [r[0] for r in results] == ["launched"] * 4
+        results = [stub_cache.call(_run(calls), (x,), (), capture=fails_capture) for _ in range(4)]
+    assert [r[0] for r in results] == ["launched"] * 4 and len(calls) == 4
     assert len(_StubGraph.made) == 1 and len(stub_cache) == 0
     assert "could not be captured" in caplog.text and "operation not permitted" in caplog.text
 
@@ -319,3 +430,37 @@ def test_the_cache_stops_capturing_after_unused_evictions(stub_cache, monkeypatc
     assert small.unused == 2 and len(small) == 1 and len(_StubGraph.made) == 3
     assert small.call(_run([]), (xs[3],), ())[0] == "replayed"  # T=3's graph stays and still serves
     assert small.call(_run([]), (xs[5],), ())[0] == "launched"  # T=5: seen twice, never captured
+
+
+def test_copied_tensors_are_not_in_the_key_and_the_others_are(stub_cache):
+    """A backward's per-call tensors (grad_out, saved h, ...) are copied into the graph: new ones each call replay
+    the same graph. A weight at another address gets another."""
+    def fresh(*shape):  # at an address 256-byte aligned, as the GPU's allocator gives (the key holds the alignment)
+        buf = torch.randn(shape[0] * shape[1] + 64)
+        offset = -buf.data_ptr() % graphs._ALIGN // buf.element_size()
+        return buf[offset:offset + shape[0] * shape[1]].view(shape)
+
+    cache = graphs.GraphCache(copied=(0, 2))
+    w = fresh(8, 8)
+    for _ in range(3):
+        cache.call(_run([]), (fresh(4, 8), w, fresh(4, 2)), ())
+    assert len(cache) == 1 and _StubGraph.made[0].hits == 1
+    other_w = fresh(8, 8)
+    for _ in range(2):
+        cache.call(_run([]), (fresh(4, 8), other_w, fresh(4, 2)), ())
+    assert len(cache) == 2
+    for _ in range(2):
+        cache.call(_run([]), (fresh(4, 8), w, None), ())  # an absent per-call tensor: another signature
+    assert len(cache) == 3
+
+
+def test_graphs_past_the_byte_bound_are_dropped_oldest_first(stub_cache):
+    cache = graphs.GraphCache(max_bytes=250)  # the stub's graphs keep 100 bytes each
+    xs = [torch.randn(T, 8) for T in range(1, 5)]
+    for x in xs:
+        for _ in range(3):
+            cache.call(_run([]), (x,), ())
+    assert len(cache) == 2 and cache._bytes == 200
+    assert cache.call(_run([]), (xs[3],), ())[0] == "replayed"
+    cache.call(_run([]), (xs[0],), ())  # dropped, and seen before: captured again
+    assert len(_StubGraph.made) == 5 and len(cache) == 2 and cache._bytes == 200

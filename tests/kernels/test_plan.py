@@ -6,7 +6,7 @@ Python and its torch ops run as on the GPU; the GPU tests run the real kernels w
 import pytest
 import torch
 
-from mok_compile.kernels import launch, moe, plan
+from mok_compile.kernels import graphs, launch, moe, plan
 from tests.kernels.cases import VARIANTS as CASE_VARIANTS, generator, make_case
 
 
@@ -24,7 +24,9 @@ class _Logged:
 
 @pytest.fixture
 def fresh_plans(monkeypatch):
-    """Plans on, empty caches."""
+    """Plans on, empty caches; the op's CUDA graphs off (their replays would take the calls this counts:
+    `test_graphs.py` tests them)."""
+    monkeypatch.setattr(graphs, "max_tokens", 0)
     monkeypatch.setattr(plan, "enabled", True)
     monkeypatch.setattr(moe, "_FORWARD_PLANS", plan.PlanCache())
     monkeypatch.setattr(moe, "_BACKWARD_PLANS", plan.PlanCache())
