@@ -1,26 +1,31 @@
-"""Few-token forwards replayed from CUDA graphs.
+"""Few-token forwards and backwards replayed from CUDA graphs.
 
 At a few hundred tokens and fewer the forward's GPU time (47 us for one Qwen3-30B-A3B token, 0.34 ms for 256) is
 below the host time of its nine launches and the Python around them, even replayed from a launch plan (`plan.py`;
-benchmarks/NOTES-gpu.md v20-v23, v49): a caller that runs the op eagerly, or compiled in inductor's default mode,
-waits on the host. `GraphCache` captures the forward of one call signature in a CUDA graph and replays it: x
-copied into the graph's own input, one replay, the outputs copied out into new tensors. The graph holds the
+benchmarks/NOTES-gpu.md v20-v23, v49), and so is a training step's: a caller that runs the op eagerly, or compiled
+in inductor's default mode, waits on the host. `GraphCache` captures one call signature in a CUDA graph and replays
+it: the call's per-call tensors (x; for the backward grad_out, x, the routing and the saved h, logits and layout)
+copied into the graph's own buffers, one replay, the outputs copied out into new tensors. The graph holds the
 same kernels with the same configs as the launches it replaces, so the outputs are the same bits.
 
 A graph reads every tensor at the address it had at capture, so its key is a launch plan's signature
-(`plan.signature`: shapes, strides, dtypes, options, switches) plus the address of every tensor but x (weights
-updated in place, as by an optimizer step, are read as they are then; a new tensor gets a new graph) and the
-stream (a replay runs on its capture's stream). The inference forward and the training forward (whose h, logits
-and layout for the backward are copied out too: K * 2I elements per token) are captured; the backward is not: its
-full-size weight gradients would have to be copied out of the graph's memory.
+(`plan.signature`: shapes, strides, dtypes, options, switches) plus the address of every tensor not copied
+(weights updated in place, as by an optimizer step, are read as they are then; a new tensor gets a new graph) and
+the stream (a replay runs on its capture's stream). The inference and training forwards are captured whole (the
+training forward's h, logits and layout for the backward are copied out too: K * 2I elements per token). The
+backward's weight gradients are new full-size tensors each call, which a graph cannot write without copying them
+out (or handing out its own buffers, which the next replay would overwrite): its graph captures the rest, and
+`finish` launches the weight gradients after each replay from the graph's dh and w * act(h), through a launch plan
+(NOTES v50).
 
 Where: CUDA, 1 to `max_tokens` tokens (MOK_GRAPH_TOKENS, default 512; 0 turns graphs off), Triton's fast launch
 path usable (no profiler hooks), and no capture under way on this stream: `mode="reduce-overhead"` captures the op
 in inductor's own graph. A signature is captured on its second call; one whose capture failed is not tried
 again. Memory: the graphs of one device and stream share one pool, so their intermediates take the largest
-graph's (tens of MB at 512 tokens), not the sum; each graph also keeps its input and outputs (T rows of x, of the
-output and of the routing). The cache keeps the 64 most recently used graphs; once 16 graphs have left it never
-replayed (more distinct token counts than it holds, each seen twice), it stops capturing.
+graph's (tens of MB at 512 tokens), not the sum; each graph also keeps its buffers of its own (the per-call
+tensors, the outputs, and for the backward what its weight gradients read). The cache keeps the 64 most recently
+used graphs, within 1 GiB of those buffers; once 16 graphs have left it never replayed (more distinct token
+counts than it holds, each seen twice), it stops capturing.
 """
 
 from __future__ import annotations
