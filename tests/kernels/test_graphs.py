@@ -39,6 +39,15 @@ def cache(monkeypatch):
     return fresh
 
 
+@pytest.fixture
+def replays(monkeypatch):
+    """The CUDA graph replays run from here on."""
+    seen = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: seen.append(g) or real(g))
+    return seen
+
+
 def _forward(tensors, kw, x=None, **extra):
     from mok_compile.kernels import moe
 
@@ -67,12 +76,9 @@ def _equal(got, want, n=3):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("T", [1, 37, 300])
-def test_replays_give_the_launches_bits_on_fresh_inputs(cache, monkeypatch, variant, T):
+def test_replays_give_the_launches_bits_on_fresh_inputs(cache, monkeypatch, replays, variant, T):
     H, I, E, K = _sizes(variant)
     tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
-    replays = []
-    real = torch.cuda.CUDAGraph.replay
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
     for step in range(4):  # seen, captured (and replayed), then two replays
         x = _fresh_x(tensors, step)
         got = _forward(tensors, kw, x)
@@ -169,12 +175,10 @@ def _equal_grads(got, want):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("T", [1, 37, 300])
 @pytest.mark.parametrize("form", ["recompute", "saved", "consume"])
-def test_backward_replays_give_the_launches_bits_for_every_gradient(backward_cache, monkeypatch, variant, T, form):
+def test_backward_replays_give_the_launches_bits_for_every_gradient(backward_cache, monkeypatch, replays, variant, T,
+                                                                     form):
     H, I, E, K = _sizes(variant)
     tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
-    replays = []
-    real = torch.cuda.CUDAGraph.replay
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
     for step in range(4):  # seen, captured (and replayed), then two replays
         calls = _backward_calls(tensors, kw, step, form, monkeypatch)
         got = _backward(tensors, kw, calls)
