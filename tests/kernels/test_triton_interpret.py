@@ -104,6 +104,15 @@ def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
             assert err < _grad_tol(res["case"], name), (name, res)
 
 
+def test_deferred_weight_gradients_give_the_same_bits(interpreter_results):
+    """The backward as the op's CUDA graphs run it (`_backward(defer_weight_gradients=True)`, then the weight
+    gradients from what it kept: `graphs.py`) gives the bits of the plain backward, on both engines."""
+    saved = [res for res in interpreter_results if "deferred_equal" in res]
+    assert saved and any(res["case"].startswith("cutlass/") for res in saved)
+    for res in saved:
+        assert res["deferred_equal"], res
+
+
 def test_backward_from_saved_routing_recomputes_none_of_it(interpreter_results):
     """With the training forward's router logits and dispatch layout, the (consuming) backward runs neither the
     router GEMM (where the router argument is a weight) nor count, scan and scatter; its gradients are the bits of
