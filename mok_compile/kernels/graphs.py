@@ -96,13 +96,15 @@ class _Graph:
 
 
 def _alignment(x) -> int:
-    """The address modulo 256 bytes of the x the forward's GEMMs read: x's own, or a fresh contiguous copy's (0)."""
+    """The address modulo 256 bytes of what the launches read for a per-call tensor x: x's own, or a fresh contiguous
+    copy's (0)."""
     return x.data_ptr() % _ALIGN if x.is_contiguous() else 0
 
 
 def _like_aligned(x):
-    """A contiguous tensor of x's shape and dtype at `_alignment(x)`: cuBLAS picks the router GEMM's algorithm by
-    its operands' alignment, so the graph's copy of x must keep what the launches would read to give their bits."""
+    """A contiguous tensor of x's shape and dtype at `_alignment(x)`: cuBLAS picks the router GEMMs' algorithms by
+    their operands' alignment, so the graph's copy of a per-call tensor (x, grad_out, ...) must keep what the
+    launches would read to give their bits."""
     pad = _ALIGN // x.element_size()
     buf = torch.empty(x.numel() + pad, dtype=x.dtype, device=x.device)
     offset = (_alignment(x) - buf.data_ptr()) % _ALIGN // x.element_size()
