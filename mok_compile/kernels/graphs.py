@@ -15,8 +15,8 @@ the stream (a replay runs on its capture's stream). The inference and training f
 training forward's h, logits and layout for the backward are copied out too: K * 2I elements per token). The
 backward's weight gradients are new full-size tensors each call, which a graph cannot write without copying them
 out (or handing out its own buffers, which the next replay would overwrite): its graph captures the rest, and
-`finish` launches the weight gradients after each replay from the graph's dh and w * act(h), through a launch plan
-(NOTES v50).
+`finish` launches the weight gradients after each replay from the graph's dh and w * act(h) and the call's weights,
+through a launch plan (NOTES v50). A graph keeps none of the caller's tensors (NOTES v51).
 
 Where: CUDA, 1 to `max_tokens` tokens (MOK_GRAPH_TOKENS, default 512; 0 turns graphs off), Triton's fast launch
 path usable (no profiler hooks), and no capture under way on this stream: `mode="reduce-overhead"` captures the op
@@ -87,12 +87,13 @@ class _Graph:
         out = tuple([None if t is None else t.clone() for t in self.outputs])
         if self.finish is None:
             return out
-        fn, held = self.finish
+        fn, held, reads = self.finish
+        args = [*held, *[tensors[i] for i in reads]]  # this call's own weights: the graph keeps no caller tensor
         if self.plan is None:  # recorded on the first replay (plan.py), so later ones skip its Python
-            recorded, result = plan.Plan.record(lambda: fn(*held), held) if plan.enabled else (False, fn(*held))
+            recorded, result = plan.Plan.record(lambda: fn(*args), args) if plan.enabled else (False, fn(*args))
             self.plan = recorded or False
             return out + tuple(result)
-        return out + tuple(self.plan.replay(held) if self.plan else fn(*held))
+        return out + tuple(self.plan.replay(args) if self.plan else fn(*args))
 
 
 def _alignment(x) -> int:
@@ -136,7 +137,9 @@ class GraphCache:
         """`run(*tensors)`, the entry point over `tensors` (its tensor arguments, None for absent ones; the first
         fixes the token count) with `options` (hashable: everything else it takes), or its graph's replay.
         `capture(*tensors)`, where given, is what a graph records instead: (outputs, finish), finish None or
-        (fn, tensors), `fn(*tensors)` launched after each replay for the rest of the outputs (new tensors)."""
+        (fn, held, reads): `fn(*held, *(the call's tensors at positions reads))` launched after each replay for the
+        rest of the outputs (new tensors). `held` are the graph's own tensors; `reads` name tensors not copied (the
+        weights), which the graph must not keep: a model's weights are freed with the model, not with its graphs."""
         x = tensors[0]
         if not eligible(x):
             return run(*tensors)

@@ -376,6 +376,7 @@ _BACKWARD_PLANS = plan.PlanCache()
 # The per-call tensors of a backward (grad_out, grad_topk_weights, hidden_states, topk_weights, topk_ids, h, logits,
 # layout), copied into a graph's buffers; the weights key it by address.
 BACKWARD_GRAPHS = graphs.GraphCache(copied=(0, 1, 2, 10, 11, 12, 13, 14))
+_WEIGHTS = (6, 7, 8, 9)  # gate_up_proj, gate_up_bias, down_proj, down_bias among those tensors
 
 
 def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
@@ -418,7 +419,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
               defer_weight_gradients=False, **kw):
     """The backward's launches. `defer_weight_gradients` (a graph's capture, T > 0): return ((d_x, d_router,
-    d_router_bias), (fn, tensors)), the weight gradients left to `fn(*tensors)`."""
+    d_router_bias), (fn, held, _WEIGHTS)), the weight gradients left to `fn(*held, *weights)`, the weights being the
+    call's tensors at positions `_WEIGHTS` (gate_up_proj, gate_up_bias, down_proj, down_bias)."""
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -483,8 +485,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                                          rows_per_expert=rows_per_expert, precision=precision)
     work = [disp.layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
     del act_w, gos, xs  # (held by `work` alone: the weight gradients free them after their last read)
-    if defer_weight_gradients:
-        deferred = (lambda *held: weight_gradients(list(held)), work)
+    if defer_weight_gradients:  # the weights from each call, as `_WEIGHTS` of its tensors (`graphs.GraphCache.call`)
+        deferred = (lambda *args: weight_gradients(list(args)), work[:-4], _WEIGHTS)
     else:
         d_gu, d_gu_bias, d_down, d_down_bias = weight_gradients(work, disp=disp)
     del work

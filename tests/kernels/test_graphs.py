@@ -4,9 +4,10 @@ On the GPU: a signature's second call captures its forward and later calls repla
 launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their
 own graph; the training forward's six outputs replay bit for bit too; so do the backward's seven gradients (its
 weight gradients launched after each replay), recomputing, reading the saved tensors or consuming h, on either
-engine, and whole training steps through autograd with gradients accumulated and weights updated in place; token
-counts above the bound and calls inside someone else's capture are never captured; outputs are new tensors; under
-inference mode it works as outside; two threads on one stream get their own outputs. On the CPU: the copy of x
+engine, and whole training steps through autograd with gradients accumulated and weights updated in place; the
+graphs keep no weight alive; token counts above the bound and calls inside someone else's capture are never
+captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
+own outputs. On the CPU: the copy of x
 keeps the alignment the launches read, CPU tensors never take the graph path, and the cache's bookkeeping with
 captures stubbed (capture on the second call, a key per weight address but not per copied tensor, a failed capture
 not retried, a raising call not counted, capturing stopped after unused evictions, graphs dropped past the byte
@@ -233,6 +234,28 @@ def test_training_steps_through_autograd_equal_the_launches(backward_cache, cach
                         p.sub_(p.grad.to(p.dtype) * 0.5)
                         p.grad = None
     assert len(cache) == 1 and len(backward_cache) == 1
+
+
+@pytest.mark.gpu
+def test_graphs_keep_no_weight_alive(backward_cache, cache):
+    """A model's weights are freed with the model, not kept by its graphs: the backward's weight gradients read each
+    call's weights (NOTES v51: its graphs held the weights of their capture, and counted their bytes as their own,
+    1.2 GB a Qwen3-30B-A3B layer, which pushed every other graph out of the 1 GiB bound)."""
+    import gc
+    import weakref
+
+    tensors, kw = make_case("qwen3", T=24, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    params = [None if t is None else torch.nn.Parameter(t.clone()) for t in tensors[1:]]
+    for step in range(3):  # seen, captured, replayed
+        out, w, _ = torch.ops.mok.fused_moe(_fresh_x(tensors, step).requires_grad_(), *params, **kw)
+        (out.float().square().mean() + w.float().sum()).backward()
+    assert len(cache) == 1 and len(backward_cache) == 1
+    (graph,) = backward_cache._graphs.values()
+    assert graph.hits == 1 and graph.nbytes < sum(p.nbytes for p in params if p is not None)
+    refs = [weakref.ref(p) for p in params if p is not None]
+    del params, out, w
+    gc.collect()
+    assert all(ref() is None for ref in refs)
 
 
 @pytest.mark.gpu

@@ -106,11 +106,12 @@ def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
 
 def test_deferred_weight_gradients_give_the_same_bits(interpreter_results):
     """The backward as the op's CUDA graphs run it (`_backward(defer_weight_gradients=True)`, then the weight
-    gradients from what it kept: `graphs.py`) gives the bits of the plain backward, on both engines."""
+    gradients from what it kept and the call's weights: `graphs.py`) gives the bits of the plain backward, on both
+    engines; what it keeps holds none of the weights (a graph would keep them alive)."""
     saved = [res for res in interpreter_results if "deferred_equal" in res]
     assert saved and any(res["case"].startswith("cutlass/") for res in saved)
     for res in saved:
-        assert res["deferred_equal"], res
+        assert res["deferred_equal"] and res["deferred_holds_no_weight"], res
 
 
 def test_backward_from_saved_routing_recomputes_none_of_it(interpreter_results):
