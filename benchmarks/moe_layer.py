@@ -18,7 +18,9 @@ expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for 
 weights of the experts some token is routed to read once forward (fwd+bwd: read twice, and every
 expert's gradient written once: `floors`); both
 ceilings are measured in the same run. Peak memory is torch.cuda.max_memory_allocated over one
-fwd+bwd minus what was allocated before. Writes results.json and speedup.png under --out.
+fwd+bwd after two warm-up steps, minus what was allocated before it; "op graphs GB" is what the op's few-token
+CUDA graphs (T <= 512) hold across steps, as allocated after mok's warm-up against before it (gradients
+dropped). Writes results.json and speedup.png under --out.
 """
 
 from __future__ import annotations
@@ -258,6 +260,14 @@ def fwd_bwd(fn, x, params):
     return step
 
 
+def allocated_without_grads(params) -> int:
+    """Bytes allocated on the GPU with the parameters' gradients dropped."""
+    for p in params:
+        p.grad = None
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def peak_bytes(step) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -339,6 +349,7 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3
             for p in params:  # the previous runner's gradients (a DeepSeek-V3 layer's: 22 GB) are not this one's
                 p.grad = None
             torch.cuda.empty_cache()
+            held_before = allocated_without_grads(params)
             fused_before = counters["mok"]["fused_moe"]
             with torch.no_grad():
                 fn(x)
@@ -347,12 +358,17 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3
                                  "mok_compile.diagnostics.explain); its column would time plain inductor")
             steps[which] = fwd_bwd(fn, x.clone().requires_grad_(), params)
             steps[which]()  # compile / warm up
-            row[f"{which}_fwd_bwd_peak_gb"] = peak_bytes(steps[which]) / 1e9
+            steps[which]()  # the op's few-token CUDA graphs are captured on a signature's second call
+            row[f"{which}_fwd_bwd_peak_gb"] = peak_bytes(steps[which]) / 1e9  # (the last step's gradients in its base)
+            # What the warm-up left allocated: the op's graphs (their pool and buffers) for the first runner to call
+            # it ("mok"; the compiled block's calls replay the same graphs), nothing for HF.
+            row[f"{which}_held_gb"] = (allocated_without_grads(params) - held_before) / 1e9
             if which == "mok":  # GPU time alone: the same work replayed from a CUDA graph (no launch overhead)
                 with torch.no_grad():
                     graphs["mok_graph_fwd"] = graphed(lambda: fn(x))
                 graphs["mok_graph_fwd_bwd"] = graphed(steps[which])
-            log(f"  {name} T={T} {which}: peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB "
+            log(f"  {name} T={T} {which}: peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB, held after the warm-up "
+                f"{row[f'{which}_held_gb']:.3f} GB "
                 f"({time.time() - t0:.0f} s incl. compile)")
         # Timing in rounds, the order reversed every other round, medians: the GPU's clock moves with its load
         # (a kernel timed first after an idle spell ran 10-20% faster than the same kernel later, NOTES v24 (5)),
@@ -385,8 +401,8 @@ def table(rows, ceilings) -> str:
     lines = [f"ceilings: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s",
              "| shape | T | hf fwd | hf+comp fwd | mok fwd | x | mok+comp fwd | x | floor/mok | x at floor | hf f+b "
              "| hf+comp f+b | mok f+b | x | mok+comp f+b | x | floor/mok | x at floor "
-             "| peak GB hf / comp / mok / mok+comp | err vs hf | mok graph fwd / f+b |",
-             "|" + "---|" * 21]
+             "| peak GB hf / comp / mok / mok+comp | op graphs GB | err vs hf | mok graph fwd / f+b |",
+             "|" + "---|" * 22]
     for r in rows:
         cells = [r["shape"], r["T"]]
         for phase in ("fwd", "fwd_bwd"):
@@ -396,6 +412,7 @@ def table(rows, ceilings) -> str:
                 cells += [f"{r[f'{which}_{phase}_ms']:.3f}", f"{base / r[f'{which}_{phase}_ms']:.2f}"]
             cells += [f"{r[f'floor_{phase}_ms'] / r[f'mok_{phase}_ms']:.2f}", f"{base / r[f'floor_{phase}_ms']:.2f}"]
         cells.append(" / ".join(f"{r[f'{w}_fwd_bwd_peak_gb']:.2f}" for w in ("hf", "hf+comp", "mok", "mok+comp")))
+        cells.append(f"{r['mok_held_gb']:.3f}")
         cells += [f"{r['mok_vs_hf_rel_err']:.1e}", f"{r['mok_graph_fwd_ms']:.3f} / {r['mok_graph_fwd_bwd_ms']:.3f}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
