@@ -18,9 +18,10 @@ expert-weight bytes / measured copy bandwidth) with FLOPs = T*K*3*2*H*I (x3 for 
 weights of the experts some token is routed to read once forward (fwd+bwd: read twice, and every
 expert's gradient written once: `floors`); both
 ceilings are measured in the same run. Peak memory is torch.cuda.max_memory_allocated over one
-fwd+bwd after two warm-up steps, minus what was allocated before it; "op graphs GB" is what the op's few-token
+fwd+bwd after two warm-up steps, minus what was allocated before it; "mok held GB" is what the op's few-token
 CUDA graphs (T <= 512) hold across steps, as allocated after mok's warm-up against before it (gradients
-dropped). Writes results.json and speedup.png under --out.
+dropped; it also takes in any workspace a library allocates on the op's first call: 0.034 GB at Qwen3 T=4096, where
+no graph is made). Writes results.json and speedup.png under --out.
 """
 
 from __future__ import annotations
@@ -401,7 +402,7 @@ def table(rows, ceilings) -> str:
     lines = [f"ceilings: bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s, copy {ceilings['copy_tbps']:.2f} TB/s",
              "| shape | T | hf fwd | hf+comp fwd | mok fwd | x | mok+comp fwd | x | floor/mok | x at floor | hf f+b "
              "| hf+comp f+b | mok f+b | x | mok+comp f+b | x | floor/mok | x at floor "
-             "| peak GB hf / comp / mok / mok+comp | op graphs GB | err vs hf | mok graph fwd / f+b |",
+             "| peak GB hf / comp / mok / mok+comp | mok held GB | err vs hf | mok graph fwd / f+b |",
              "|" + "---|" * 22]
     for r in rows:
         cells = [r["shape"], r["T"]]

@@ -26,7 +26,7 @@ def test_table_gives_each_speedup_and_the_most_a_kernel_at_the_floor_could_give(
     assert cells[2:10] == ["2.000", "1.200", "0.800", "1.50", "0.750", "1.60", "0.50", "3.00"]
     assert header[10:18] == ["hf f+b", "hf+comp f+b", "mok f+b", "x", "mok+comp f+b", "x", "floor/mok", "x at floor"]
     assert cells[10:18] == ["5.500", "3.400", "2.900", "1.17", "2.850", "1.19", "0.43", "2.72"]
-    assert header[18:20] == ["peak GB hf / comp / mok / mok+comp", "op graphs GB"]
+    assert header[18:20] == ["peak GB hf / comp / mok / mok+comp", "mok held GB"]
     assert cells[18:20] == ["0.25 / 0.25 / 0.25 / 0.25", "0.031"]
 
 
