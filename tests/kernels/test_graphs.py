@@ -7,11 +7,10 @@ weight gradients launched after each replay), recomputing, reading the saved ten
 engine, and whole training steps through autograd with gradients accumulated and weights updated in place; the
 graphs keep no weight alive; token counts above the bound and calls inside someone else's capture are never
 captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
-own outputs. On the CPU: the copy of x
-keeps the alignment the launches read, CPU tensors never take the graph path, and the cache's bookkeeping with
-captures stubbed (capture on the second call, a key per weight address but not per copied tensor, a failed capture
-not retried, a raising call not counted, capturing stopped after unused evictions, graphs dropped past the byte
-bound).
+own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU tensors never take the graph
+path, and the cache's bookkeeping with captures stubbed (capture on the second call, a key per weight address but
+not per copied tensor, a failed capture not retried, a raising call not counted, capturing stopped after unused
+evictions, graphs dropped past the byte bound).
 """
 
 import pytest
