@@ -23,9 +23,9 @@ path usable (no profiler hooks), and no capture under way on this stream: `mode=
 in inductor's own graph. A signature is captured on its second call; one whose capture failed is not tried
 again. Memory: the graphs of one device and stream share one pool, so their intermediates take the largest
 graph's (tens of MB at 512 tokens), not the sum; each graph also keeps its buffers of its own (the per-call
-tensors, the outputs, and for the backward what its weight gradients read). The cache keeps the 64 most recently
-used graphs, within 1 GiB of those buffers; once 16 graphs have left it never replayed (more distinct token
-counts than it holds, each seen twice), it stops capturing.
+tensors, the outputs, and for the backward what its weight gradients read but the weights). The cache keeps the 64
+most recently used graphs, within 1 GiB of those buffers; once 16 graphs have left it never replayed (more distinct
+token counts than it holds, each seen twice), it stops capturing.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ max_tokens = int(os.environ.get("MOK_GRAPH_TOKENS", DEFAULT_TOKENS))
 _MAX_GRAPHS = 64
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
 _MAX_SEEN = 1024
-_MAX_BYTES = 1 << 30  # what a cache's graphs keep of their own (inputs, outputs, tensors `finish` reads)
+_MAX_BYTES = 1 << 30  # what a cache's graphs keep of their own (inputs, outputs, the tensors `finish` holds)
 _ALIGN = 256  # bytes: the most alignment cuBLAS's heuristics look at
 
 

@@ -386,7 +386,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     the backward then skips recomputing them (the gate_up GEMM; the router GEMM; count, scan and scatter).
     Replayed from a launch plan (`plan.py`) where this call's signature has one; at few tokens, all but the weight
     gradients from a CUDA graph (`graphs.py`), which cannot write the new full-size tensors those are: they are
-    launched after each replay, from the graph's dh and w * act(h)."""
+    launched after each replay, from the graph's dh and w * act(h) and this call's weights."""
     kw = with_defaults(kw)
     tensors = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, kw.pop("gate_up_out", None),
@@ -486,7 +486,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     work = [disp.layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
     del act_w, gos, xs  # (held by `work` alone: the weight gradients free them after their last read)
     if defer_weight_gradients:  # the weights from each call, as `_WEIGHTS` of its tensors (`graphs.GraphCache.call`)
-        deferred = (lambda *args: weight_gradients(list(args)), work[:-4], _WEIGHTS)
+        deferred = (lambda *args: weight_gradients(list(args)), work[:-len(_WEIGHTS)], _WEIGHTS)
     else:
         d_gu, d_gu_bias, d_down, d_down_bias = weight_gradients(work, disp=disp)
     del work
