@@ -2,11 +2,15 @@
 
     python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2] [--ddp]
     python -m benchmarks.e2e_qwen3 --out DIR --decode 1,8,64
+    python -m benchmarks.e2e_qwen3 --out DIR --seq 256 --batch 1 --mode reduce-overhead
     torchrun --nproc-per-node 2 -m benchmarks.e2e_qwen3 --out DIR --ddp     # DDP over two GPUs
 
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
 Measures one training step (forward + loss + backward, no optimizer) and one prefill forward
-(no_grad), median of triton.testing.do_bench after compilation, and reports tokens/s.
+(no_grad) and reports tokens/s: every variant is compiled and warm first, then each step is timed once per round
+(triton.testing.do_bench's median) in --rounds rounds, the order reversed every other round, and the median over
+the rounds is reported. (Timed one variant after the other instead, the second read up to 1.3x slower at a
+few hundred tokens, where a step waits on the host: NOTES v52.)
 --profile adds, per backend, the GPU time of one training step inside the `mok::` ops (torch.profiler)
 and the rest, and from them the best training speedup any MoE kernel could give: inductor's step over
 (mok's step without its MoE time + every layer's MoE at the fwd+bwd floor, `moe_layer`'s definition).
@@ -14,6 +18,8 @@ and the rest, and from them the best training speedup any MoE kernel could give:
 inductor and mok under Dynamo's default DDP graph cutting (which cuts the MoE blocks: mok fuses nothing) and mok
 with `optimize_ddp=False` (mok fuses every block, then cuts the graph into DDP's buckets, `mok_compile.ddp`), and
 that without the cutting (`ddp_buckets=False`: all-reduce starts after the whole backward).
+--mode sets torch.compile's mode for both backends: at a few hundred tokens a step in default mode waits on the
+host on both sides (NOTES v52), and "reduce-overhead" replays each compiled graph from a CUDA graph.
 --decode B,... times, per batch size B, a decode-shaped forward instead (B sequences of one token, no KV cache,
 no_grad; the MoE layers see T = B tokens), in default mode: inductor, mok, and mok with the op's few-token CUDA
 graphs off (`mok_compile.kernels.graphs`, NOTES v49), in alternating rounds.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -146,11 +153,14 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="split the training step into MoE and the rest")
     ap.add_argument("--ddp", action="store_true", help="the model in DistributedDataParallel (see the docstring)")
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds, every variant once per round")
+    ap.add_argument("--mode", default=None, help='torch.compile mode of both backends, e.g. "reduce-overhead"')
     ap.add_argument("--decode", help="comma-separated batch sizes: time one-token forwards instead (docstring)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
         return decode(build_model(args.layers, args.seq).eval(), [int(b) for b in args.decode.split(",")], args.out)
+    from benchmarks.moe_layer import time_in_rounds
     from mok_compile.backend import mok_backend
     from torch._dynamo.utils import counters
 
@@ -177,34 +187,49 @@ def main():
     ids = torch.randint(0, 151936, (args.batch, args.seq), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(rank))
     tokens = args.batch * args.seq
-    results, tails = {}, {}
+    results, tails, steps = {}, {}, {}
+    torch._dynamo.reset()
+    torch._dynamo.config.cache_size_limit = 64
     for name, backend, optimize_ddp in variants:
-        torch._dynamo.reset()
+        # No reset between the variants: every compiled step stays callable, so that all are timed in alternating
+        # rounds on the same heap and host state. Dynamo keys its cache entries by the backend callable, so each
+        # variant gets one of its own (a partial of a shared backend is a new callable).
         counters.clear()
-        compiled = torch.compile(model, backend=backend)
+        own = backend if isinstance(backend, str) else functools.partial(backend)
+        compiled = torch.compile(model, backend=own, mode=args.mode)
         patch = {} if optimize_ddp is None else {"optimize_ddp": optimize_ddp}
 
-        def train_step():
-            model.zero_grad(set_to_none=True)
-            compiled(input_ids=ids, labels=ids).loss.backward()
+        def train_step(compiled=compiled, patch=patch):
+            with torch._dynamo.config.patch(**patch):
+                torch.compiler.cudagraph_mark_step_begin()  # (a no-op without CUDA graphs)
+                model.zero_grad(set_to_none=True)
+                compiled(input_ids=ids, labels=ids).loss.backward()
 
-        def prefill():
-            with torch.no_grad():
+        def prefill(compiled=compiled, patch=patch):
+            with torch._dynamo.config.patch(**patch), torch.no_grad():
+                torch.compiler.cudagraph_mark_step_begin()
                 return compiled(input_ids=ids)
 
-        with torch._dynamo.config.patch(**patch):
-            t0 = time.time()
+        t0 = time.time()
+        train_step()
+        tails[name] = prefill().logits[:, -8:].float()  # same weights and input: the backends must agree
+        for _ in range(2):
             train_step()
-            tails[name] = prefill().logits[:, -8:].float()  # same weights and input: the backends must agree
-            torch.cuda.synchronize()
-            compile_s = time.time() - t0
-            t_train = triton.testing.do_bench(train_step, warmup=3, rep=30, return_mode="median")
-            t_fwd = triton.testing.do_bench(prefill, warmup=3, rep=30, return_mode="median")
-        results[name] = {"train_ms": t_train, "prefill_ms": t_fwd, "train_tok_s": tokens / t_train * 1e3,
-                         "prefill_tok_s": tokens / t_fwd * 1e3, "compile_s": compile_s,
-                         "mok_counters": dict(counters["mok"])}
+            prefill()
+        torch.cuda.synchronize()
+        steps[name] = (train_step, prefill)
+        results[name] = {"compile_s": time.time() - t0, "mok_counters": dict(counters["mok"])}
+    gc.collect()
+    timed = [(name + kind, steps[name][i]) for name in steps for i, kind in enumerate(("/train", "/prefill"))]
+    times = time_in_rounds(timed, args.rounds, timer=lambda fn: triton.testing.do_bench(
+        fn, warmup=3, rep=30, return_mode="median"))
+    for name in steps:
+        t_train, t_fwd = (statistics.median(times[name + kind]) for kind in ("/train", "/prefill"))
+        results[name].update({"train_ms": t_train, "prefill_ms": t_fwd, "train_tok_s": tokens / t_train * 1e3,
+                              "prefill_tok_s": tokens / t_fwd * 1e3,
+                              "train_ms_rounds": times[name + "/train"], "prefill_ms_rounds": times[name + "/prefill"]})
         if args.profile:
-            results[name].update(step_split(train_step))
+            results[name].update(step_split(steps[name][0]))
         say(name, results[name], flush=True)
     base, *others = [name for name, _, _ in variants]
     r = results
@@ -221,7 +246,9 @@ def main():
     if args.profile and not args.ddp:
         print_bound(results, args.layers, tokens)
     if rank == 0:
-        with open(os.path.join(args.out, "e2e_qwen3_ddp.json" if args.ddp else "e2e_qwen3.json"), "w") as f:
+        name = "e2e_qwen3" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "") + ".json"
+        results["mode"] = args.mode
+        with open(os.path.join(args.out, name), "w") as f:
             json.dump(results, f, indent=1)
     if args.ddp:
         torch.distributed.destroy_process_group()
