@@ -11,6 +11,9 @@ its inputs, so this pass runs after aot_autograd (inductor's `post_grad_custom_p
 functionalization undoes the mutation. Whether h is dead is only known at run time (a backward under
 retain_graph must leave it intact), so the op decides per call (`if_graph_freed`). Not installed under
 CUDA graphs (`mode="reduce-overhead"`): a graph that mutates its inputs is not captured.
+Counted in `counters["mok"]["backward_consume"]` when inductor compiles a backward graph: one that inductor loads
+from its FX graph cache instead (a piece equal to one compiled before, as DDP's cut layers can be) runs the
+rewritten code uncounted (benchmarks/NOTES-gpu.md v52 (5)).
 """
 
 from __future__ import annotations
