@@ -9,7 +9,7 @@ Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transforme
 Measures one training step (forward + loss + backward, no optimizer) and one prefill forward
 (no_grad) and reports tokens/s: every variant is compiled and warm first, then each step is timed once per round
 (triton.testing.do_bench's median) in --rounds rounds, the order reversed every other round, and the median over
-the rounds is reported. (Timed one variant after the other instead, the second read up to 1.3x slower at a
+the rounds is reported. (Timed one variant after the other instead, the second read about 1.3x slower at a
 few hundred tokens, where a step waits on the host: NOTES v52.)
 --profile adds, per backend, the GPU time of one training step inside the `mok::` ops (torch.profiler)
 and the rest, and from them the best training speedup any MoE kernel could give: inductor's step over
@@ -213,12 +213,12 @@ def main():
         t0 = time.time()
         train_step()
         tails[name] = prefill().logits[:, -8:].float()  # same weights and input: the backends must agree
-        for _ in range(2):
+        torch.cuda.synchronize()
+        results[name] = {"compile_s": time.time() - t0, "mok_counters": dict(counters["mok"])}
+        for _ in range(2):  # warm: the op's few-token graphs are captured on a signature's second call
             train_step()
             prefill()
-        torch.cuda.synchronize()
         steps[name] = (train_step, prefill)
-        results[name] = {"compile_s": time.time() - t0, "mok_counters": dict(counters["mok"])}
     gc.collect()
     timed = [(name + kind, steps[name][i]) for name in steps for i, kind in enumerate(("/train", "/prefill"))]
     times = time_in_rounds(timed, args.rounds, timer=lambda fn: triton.testing.do_bench(
