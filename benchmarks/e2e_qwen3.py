@@ -8,9 +8,10 @@
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
 Measures one training step (forward + loss + backward, no optimizer) and one prefill forward
 (no_grad) and reports tokens/s: every variant is compiled and warm first, then each step is timed once per round
-(triton.testing.do_bench's median) in --rounds rounds, the order reversed every other round, and the median over
-the rounds is reported. (Timed one variant after the other instead, the second read about 1.3x slower at a
-few hundred tokens, where a step waits on the host: NOTES v52.)
+(triton.testing.do_bench's median; with --ddp the mean of 10 back-to-back calls, as many on every rank) in --rounds
+rounds, the order reversed every other round, and the median over the rounds is reported. (Timed one variant after
+the other instead, the second read about 1.3x slower at a few hundred tokens, where a step waits on the host:
+NOTES v52.)
 --profile adds, per backend, the GPU time of one training step inside the `mok::` ops (torch.profiler)
 and the rest, and from them the best training speedup any MoE kernel could give: inductor's step over
 (mok's step without its MoE time + every layer's MoE at the fwd+bwd floor, `moe_layer`'s definition).
@@ -161,6 +162,7 @@ def main():
     if args.decode:
         return decode(build_model(args.layers, args.seq).eval(), [int(b) for b in args.decode.split(",")], args.out)
     from benchmarks.moe_layer import time_in_rounds
+    from benchmarks.power import ms_per_call
     from mok_compile.backend import mok_backend
     from torch._dynamo.utils import counters
 
@@ -221,8 +223,11 @@ def main():
         steps[name] = (train_step, prefill)
     gc.collect()
     timed = [(name + kind, steps[name][i]) for name in steps for i, kind in enumerate(("/train", "/prefill"))]
-    times = time_in_rounds(timed, args.rounds, timer=lambda fn: triton.testing.do_bench(
-        fn, warmup=3, rep=30, return_mode="median"))
+    if args.ddp:  # every rank the same number of calls (do_bench sizes its runs per rank): DDP's collectives match
+        timer = functools.partial(ms_per_call, calls=10)
+    else:
+        timer = functools.partial(triton.testing.do_bench, warmup=3, rep=30, return_mode="median")
+    times = time_in_rounds(timed, args.rounds, timer=timer)
     for name in steps:
         t_train, t_fwd = (statistics.median(times[name + kind]) for kind in ("/train", "/prefill"))
         results[name].update({"train_ms": t_train, "prefill_ms": t_fwd, "train_tok_s": tokens / t_train * 1e3,

@@ -106,7 +106,7 @@ def power_limit() -> str:
     return out.stdout.strip()
 
 
-def _ms_per_call(fn, calls: int) -> float:
+def ms_per_call(fn, calls: int) -> float:
     """GPU ms per call over `calls` back-to-back calls (CUDA events around them); returns once they have run."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -122,7 +122,7 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
     for fn in fns.values():
         for _ in range(3):
             fn()
-    calls = {side: max(5, int(seconds * 1000 / _ms_per_call(fn, 10))) for side, fn in fns.items()}
+    calls = {side: max(5, int(seconds * 1000 / ms_per_call(fn, 10))) for side, fn in fns.items()}
     # to a file, not a pipe: a pipe's buffer (64 KB, about 25 s of samples) would fill and stall the sampling
     log = tempfile.TemporaryFile(mode="w+")
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu=timestamp,clocks.sm,{power_field()}",
@@ -134,7 +134,7 @@ def run_blocks(fns: dict, seconds: float, rounds: int) -> tuple[list, list]:
             for side in (order if r % 2 == 0 else order[::-1]):
                 torch.cuda.synchronize()
                 t0 = time.time()
-                ms = _ms_per_call(fns[side], calls[side])
+                ms = ms_per_call(fns[side], calls[side])
                 blocks.append((side, t0, time.time(), ms))
         time.sleep(0.2)
     finally:
