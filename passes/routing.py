@@ -2,6 +2,8 @@
 
     A  logits ─(float)─ softmax ─> p ─> topk ─> w0 ─[renormalise]─[* scale]─[cast]─> w
        with a selection bias (Ernie 4.5): p + sel_bias ─> topk ─> ids;  w0 = p.gather(1, ids)
+       group-limited (DeepSeek-V2: group score its max, values used; Mistral4: the sum of its top 2, the other
+       groups filled with 0, ids only): p ─[group mask]─> topk ─> ids;  w0 = p.gather(1, ids)
     B  logits ─(float)─ topk ─> w0 ─ softmax ─[* scale]─[cast]─> w
     C  logits ─(float)─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
        scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) (or the top-k values where nothing
@@ -77,7 +79,9 @@ def _group_limit(region: Region, masked: fx.Node, E: int, nonnegative: bool) -> 
     """(n_group, topk_group, group_top) of DeepSeek-style group-limited selection feeding `masked` (a masked_fill of
     the choice values): group score = the sum of each group's top 2 (V3: ``view(T, G, E/G).topk(2)[0].sum(-1)``)
     or its max (V2: ``.max(dim=-1)[0]``); the best groups by a 2-D topk. The others are filled with -inf, or with 0
-    where every choice value is >= 0 (V2's probabilities), which then never outranks a kept expert."""
+    where every choice value is >= 0 (V2's and Mistral4's probabilities), which then never outranks a kept expert
+    (the op fills with -inf: a 0 could only tie with a kept expert whose probability underflowed to 0, where HF's
+    own choice is torch.topk's unspecified pick among equal values)."""
     fill = arg(masked, 2, "value")
     if not (fill == -math.inf or (fill == 0.0 and nonnegative)):
         raise NoMatch(f"group-limited routing fills the other groups with {fill!r} (not -inf, nor 0 below "
@@ -164,15 +168,15 @@ def match_router(region: Region) -> RouterMatch:
                                weights_fp32=weights_fp32, weight_on_input=True)
             return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
 
-    # The unnormalised top-k weights: the top-k values; where a selection bias chose (or the values are unused, as in
-    # DeepSeek-V3's router), the unbiased scores gathered at the choice.
+    # The unnormalised top-k weights: the top-k values; where a selection bias chose, or the values are unused (as in
+    # DeepSeek-V3's and Mistral4's routers), the unbiased scores gathered at the choice. Without a bias those are the
+    # values the top-k ranked: a group mask (-inf, or 0 below non-negative scores, `_group_limit`) only removes
+    # experts, and the op's top-k over the kept ones picks the same experts with the same values.
     values = getitem_users(region.topk, 0)
     if selection_bias is None and len(values) == 1 and any(u in region.nodes for u in values[0].users):
         w = values[0]
-    elif routing == "sigmoid_grouped_topk" or selection_bias is not None:
-        w = _gathered_scores(region, scores, routing)
     else:
-        raise NoMatch("top-k values are not used as routing weights")
+        w = _gathered_scores(region, scores, routing)
 
     # Walk the weight chain: [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [cast], in this order.
     stage, renormalize, eps, renorm_min, scale = 0, False, 0.0, 0.0, 1.0

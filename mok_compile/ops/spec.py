@@ -11,7 +11,8 @@ Routing families (see shared/moe-semantics.md):
   -> scale. Mixtral, Qwen2/3-MoE, OLMoE, Jamba, ...; Ernie 4.5 adds a selection
   bias to the probabilities and renormalises by ``clamp(sum, min)``; DeepSeek-V2's
   group-limited greedy keeps the best ``topk_group`` of ``n_group`` groups by
-  their largest probability (``group_top=1``) before the ``topk``.
+  their largest probability (``group_top=1``) before the ``topk``, Mistral4 by
+  the sum of their top 2 (``group_top=2``).
 - ``topk_softmax`` (B): ``topk(logits)`` -> ``softmax`` over the k. Granite-MoE,
   GPT-OSS, JetMoE, ...
 - ``sigmoid_grouped_topk`` (C): ``sigmoid(logits)`` + selection bias (used only

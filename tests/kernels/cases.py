@@ -24,6 +24,10 @@ VARIANTS = {
     # DeepSeek-V2's group-limited greedy: fp32 softmax, the best 2 of 4 groups by their largest probability, scaled.
     "deepseek_v2": (dict(router_fp32=True, routed_scale=2.5, n_group=4, topk_group=2, group_top=1), ExpertSpec(), False,
                     False, False),
+    # Mistral4: softmax in the router's dtype, the best 2 of 4 groups by the sum of their top 2, renormalised (+1e-20),
+    # scaled, weights in the input dtype.
+    "mistral4": (dict(softmax_fp32=False, renormalize=True, renorm_eps=1e-20, routed_scale=2.5, n_group=4,
+                      topk_group=2, weights_fp32=False), ExpertSpec(), False, False, False),
     # AFMoE: sigmoid scores of a router in the model's dtype, one group, selection bias, renormalised and scaled.
     "afmoe": (dict(routing="sigmoid_grouped_topk", renormalize=True, renorm_eps=1e-20, routed_scale=2.5), ExpertSpec(),
               False, False, True),

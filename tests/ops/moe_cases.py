@@ -73,6 +73,11 @@ ROUTING_CASES = [
          num_experts=8),
     Case("softmax_topk_groups_bias_bf16", _r(n_group=2, topk_group=1, router_fp32=True, renormalize=True),
          selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
+    # Mistral4: the softmax in the router's 16-bit dtype, the group score of DeepSeek-V3 without a bias,
+    # renormalised (+1e-20) and scaled, weights in that dtype.
+    Case("softmax_topk_groups_mistral4_bf16",
+         _r(top_k=3, n_group=4, topk_group=2, softmax_fp32=False, renormalize=True, renorm_eps=1e-20,
+            routed_scale=2.5, weights_fp32=False), num_experts=8, dtype=torch.bfloat16),
     Case("sigmoid", _r(routing="sigmoid_grouped_topk")),
     Case("sigmoid_renorm_no_eps_wdtype", _r(routing="sigmoid_grouped_topk", renormalize=True, weights_fp32=False)),
     Case("sigmoid_deepseek_v3",

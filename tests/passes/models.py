@@ -247,6 +247,29 @@ class GroupLimitedMoE(StackedGatherMoE):
         return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
 
 
+class SoftmaxGroupLimitedMoE(StackedGatherMoE):
+    """Mistral4's router (transformers' `Mistral4TopkRouter`): softmax probabilities in the router's dtype, the best
+    2 of 4 groups by the sum of their top 2, the other groups filled with 0, only the ids of the top-k used, the
+    probabilities gathered there, renormalised (+1e-20) and scaled."""
+
+    def __init__(self, experts=16, gather_from="probs", **kw):
+        super().__init__(experts=experts, **kw)
+        self.gather_from = gather_from
+
+    def route(self, x):
+        logits = F.linear(x, self.router)
+        probs = logits.softmax(-1)
+        E = probs.shape[-1]
+        group = probs.view(-1, 4, E // 4).topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(group)
+        keep.scatter_(1, torch.topk(group, k=2, dim=-1, sorted=False)[1], 1)
+        keep = keep.unsqueeze(-1).expand(-1, 4, E // 4).reshape(-1, E)
+        ids = torch.topk(probs.masked_fill(~keep.bool(), 0.0), k=self.top_k, dim=-1, sorted=False)[1]
+        w = (probs if self.gather_from == "probs" else logits).gather(1, ids)
+        w /= w.sum(dim=-1, keepdim=True) + 1e-20
+        return w * self.scale, ids.reshape(-1)
+
+
 class SharedExpertMoE(nn.Module):
     """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
 

@@ -158,6 +158,26 @@ def test_group_limited_selection_near_misses(kw, reason):
     assert reason in report.rejected[0].reason, report.rejected[0].reason
 
 
+def test_softmax_group_limited_gathered_fused():
+    """Mistral4's router: only the top-k's ids are used, the weights are the probabilities gathered there (the same
+    values: the 0-filled groups are never chosen over a probability)."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.SoftmaxGroupLimitedMoE(), torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    spec = report.blocks[0].routing
+    assert (spec.routing, spec.n_group, spec.topk_group, spec.group_top) == ("softmax_topk", 4, 2, 2)
+    assert (spec.renormalize, spec.renorm_eps, spec.routed_scale) == (True, 1e-20, 1.5)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_softmax_group_limited_gathered_from_logits_untouched():
+    """Near miss: the ids come from the probabilities but the weights are the logits gathered there."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.SoftmaxGroupLimitedMoE(gather_from="logits"), torch.randn(24, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "not the unbiased softmax probabilities gathered at the chosen experts" in report.rejected[0].reason
+
+
 def test_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))

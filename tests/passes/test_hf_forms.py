@@ -194,6 +194,30 @@ def test_deepseek_v2_block_fused(dtype, method):
             assert not torch.equal(block.gate(x.view(-1, 64))[2].sort(-1)[0], probs.topk(2)[1].sort(-1)[0])
 
 
+@pytest.mark.parametrize("n_group", [1, 4], ids=["ungrouped", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_mistral4_block_fused(dtype, n_group):
+    """Mistral4MoE (transformers >= 5.25): softmax in the router's dtype, the best topk_group of n_group groups by
+    the sum of their top 2 (the others filled with 0), the probabilities gathered at the top-k's ids, renormalised
+    (+1e-20) and scaled; a shared expert outside the op."""
+    modeling = pytest.importorskip("transformers.models.mistral4.modeling_mistral4")
+    import transformers as tf
+
+    config = tf.Mistral4Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                               n_shared_experts=1, n_group=n_group, topk_group=2 if n_group > 1 else 1,
+                               routed_scaling_factor=2.5, num_attention_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    block, x, gm, example, routing, eager = _fused_block(modeling.Mistral4MoE, config, dtype)
+    assert (routing.routing, routing.n_group, routing.group_top, routing.renorm_eps, routing.routed_scale) == (
+        "softmax_topk", n_group, 2, 1e-20, 2.5)
+    assert routing.softmax_fp32 == (dtype == torch.float32) and routing.weights_fp32 == (dtype == torch.float32)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+    if n_group > 1:  # the groups changed some token's choice
+        with torch.no_grad():
+            logits, _, ids = block.gate(x.view(-1, 64))
+            assert not torch.equal(ids.sort(-1)[0], logits.softmax(-1).topk(2)[1].sort(-1)[0])
+
+
 @pytest.mark.parametrize("expert_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_lfm2_moe_block_fused(dtype, expert_bias):
