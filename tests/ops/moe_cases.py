@@ -255,7 +255,6 @@ def dense_oracle(args, kwargs):
     spec = ExpertSpec(**{f.name: kw[f.name] for f in dataclasses.fields(ExpertSpec)})
     x, router, router_bias, selection_bias, gate_up, gate_up_bias, down, down_bias = args
     T, H = x.shape
-    E = gate_up.shape[0]
     I = down.shape[1] if spec.transposed else down.shape[2]
     K = kw["top_k"]
     outs, weights = [], {}
