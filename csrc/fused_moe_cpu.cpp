@@ -129,13 +129,15 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
     scores = (o.softmax_fp32 ? upcast(logits) : logits).sigmoid();
   } else if (o.routing == "topk_sigmoid") {
     scores = logits;
+  } else if (o.routing == "sqrtsoftplus_topk") {
+    scores = at::softplus(o.softmax_fp32 ? upcast(logits) : logits).sqrt();
   } else {
     TORCH_CHECK(false, "mok_cpu.fused_moe: unknown routing '", o.routing, "'");
   }
   Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
   if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group, o.group_top);
   Tensor top, ids;
-  if (o.routing == "sigmoid_grouped_topk") {
+  if (o.routing == "sigmoid_grouped_topk" || o.routing == "sqrtsoftplus_topk") {
     ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
     top = scores.gather(1, ids);
   } else {
@@ -165,6 +167,9 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
     w0 = at::softmax(l.gather(1, ids), -1);
   } else if (o.routing == "topk_sigmoid") {
     w0 = at::sigmoid(l.gather(1, ids));
+  } else if (o.routing == "sqrtsoftplus_topk") {
+    base = at::softplus(l).sqrt();
+    w0 = base.gather(1, ids);
   } else {
     base = at::sigmoid(l);
     w0 = base.gather(1, ids);
@@ -188,6 +193,9 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
     return at::zeros_like(l).scatter_(1, ids, d * w0 * (1 - w0));
   }
   Tensor ds = at::zeros_like(l).scatter_(1, ids, d);
+  if (o.routing == "sqrtsoftplus_topk") {  // d sqrt(softplus(l)) = sigmoid(l) / (2 s); 0 where s underflowed to 0
+    return at::where(base > 0, ds * at::sigmoid(l) / (2 * base), at::zeros_like(l));
+  }
   return ds * base * (1 - base);
 }
 
@@ -213,6 +221,7 @@ Tensor activate(const Tensor& h, const MoeOptions& o) {
       Tensor glu = gate * at::sigmoid(gate * o.alpha);
       return (up + 1) * glu;
     }
+    if (act == "clamped_swiglu") return at::silu(gate.clamp(std::nullopt, o.limit)) * up.clamp(-o.limit, o.limit);
   } else {
     if (act == "relu2") return at::square(at::relu(h));
     if (act == "relu") return at::relu(h);
@@ -248,6 +257,12 @@ Tensor activation_backward(const Tensor& h, const Tensor& da, const MoeOptions& 
       Tensor uc = u.clamp(-o.limit, o.limit);
       Tensor s = at::sigmoid(o.alpha * gc);
       dg = (da * (uc + 1) * (s + o.alpha * gc * s * (1 - s))) * (g <= o.limit);
+      du = (da * gc * s) * ((u >= -o.limit) & (u <= o.limit));
+    } else if (act == "clamped_swiglu") {
+      Tensor gc = g.clamp(std::nullopt, o.limit);
+      Tensor uc = u.clamp(-o.limit, o.limit);
+      Tensor s = at::sigmoid(gc);
+      dg = (da * uc * s * (1 + gc * (1 - s))) * (g <= o.limit);
       du = (da * gc * s) * ((u >= -o.limit) & (u <= o.limit));
     } else {
       TORCH_CHECK(false, "mok_cpu.fused_moe_backward: unknown gated activation '", act, "'");

@@ -64,6 +64,33 @@ def _const(node: fx.Node):
     return next((number(a) for a in node.args[1:] if number(a) is not None), None)
 
 
+def _clamp_limit(between) -> float:
+    """L of a clamped SwiGLU's two clamps, ``g.clamp(max=L)`` and ``u.clamp(min=-L, max=L)`` (which clamps which is
+    checked by the probe, which runs the op against the graph)."""
+    clamps = [n for n in between if op_name(n) == "clamp"]
+    if any(isinstance(a, fx.Node) for c in clamps for a in (arg(c, 1, "min"), arg(c, 2, "max"))):
+        raise NoMatch("the clamp limit of the clamped SwiGLU is a runtime value (Dynamo traced the float "
+                      "attribute as an input, e.g. under dynamic=True); the op needs it as a constant: set "
+                      "torch._dynamo.config.specialize_float = True")
+    maxes = {arg(c, 2, "max") for c in clamps}
+    mins = {arg(c, 1, "min") for c in clamps}
+    if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
+        raise NoMatch("clamped SwiGLU has unexpected clamp limits")
+    return float(next(iter(maxes)))
+
+
+def _check_clamped_swiglu(between):
+    """The product is ``silu(g.clamp(max=L)) * u.clamp(-L, L)``: which value each clamp bounds, and that the product
+    comes last, checked here, since the probe's activations seldom reach a limit such as DeepSeek-V4's 10."""
+    mul = next(n for n in between if op_name(n) == "mul")
+    factors = {op_name(f): f for f in (strip(a, LAYOUT_OPS_NAMES) for a in mul.args) if isinstance(f, fx.Node)}
+    silu, up = factors.get("silu"), factors.get("clamp")
+    gate = strip(silu.args[0], LAYOUT_OPS_NAMES) if silu is not None else None
+    if (up is None or gate is None or op_name(gate) != "clamp" or arg(gate, 1, "min") is not None
+            or arg(up, 1, "min") is None):
+        raise NoMatch("clamped SwiGLU is not silu(gate.clamp(max=L)) * up.clamp(-L, L)")
+
+
 def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last: fx.Node, bias_side: set[fx.Node]):
     """(gated, interleaved, activation, alpha, limit) of the ops between the up and down projections."""
     fwd = flow.forward_slice(first, within=region_nodes)
@@ -97,22 +124,15 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         elif kinds == Counter(gelu_tanh=1, mul=1):
             act = "gelu_tanh"
         elif kinds == Counter(clamp=2, mul=3, sigmoid=1, add=1):
-            act = "clamped_silu"
-            clamps = [n for n in between if op_name(n) == "clamp"]
-            if any(isinstance(a, fx.Node) for c in clamps for a in (arg(c, 1, "min"), arg(c, 2, "max"))):
-                raise NoMatch("the clamp limit of the clamped SwiGLU is a runtime value (Dynamo traced the float "
-                              "attribute as an input, e.g. under dynamic=True); the op needs it as a constant: set "
-                              "torch._dynamo.config.specialize_float = True")
-            maxes = {arg(c, 2, "max") for c in clamps}
-            mins = {arg(c, 1, "min") for c in clamps}
-            if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
-                raise NoMatch("clamped SwiGLU has unexpected clamp limits")
-            limit = float(next(iter(maxes)))
+            act, limit = "clamped_silu", _clamp_limit(between)
             scales = [_const(n) for n in between if op_name(n) == "mul" and _const(n) is not None]
             adds = [_const(n) for n in between if op_name(n) == "add" and _const(n) is not None]
             if len(scales) != 1 or adds != [1.0]:
                 raise NoMatch("clamped SwiGLU has unexpected constants")
             alpha = scales[0]
+        elif kinds == Counter(clamp=2, silu=1, mul=1):  # DeepSeek-V4: silu(g.clamp(max=L)) * u.clamp(-L, L)
+            act, limit = "clamped_swiglu", _clamp_limit(between)
+            _check_clamped_swiglu(between)
         else:
             raise NoMatch(f"gated expert activation {dict(kinds)} is not supported")
     else:

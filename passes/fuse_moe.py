@@ -214,8 +214,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
                 block.reason = sharded_reason(evidence, block.reason)
         report.blocks.append(block)
     report.blocks.extend(eager_fragments.find_eager_fragments(gm))
-    if not anchors:
-        report.blocks.extend(lone_experts.find_lone_experts(gm))
+    report.blocks.extend(lone_experts.find_lone_experts(gm, hash_routed_only=bool(anchors)))
     for block in report.blocks:
         if block.fused:
             counters["mok"]["fused_moe"] += 1

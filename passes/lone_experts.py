@@ -10,6 +10,13 @@ transformers' all-to-all expert parallelism does this (it reads the all-to-all's
 host), and so does any host read between a router and its experts. A graph with no routing top-k but with
 `grouped_mm` expert GEMMs gets one report per experts module (form "experts_alone"), so `explain` and the
 log say why nothing was fused instead of saying nothing.
+
+Hash routing has no top-k either: DeepSeek-V4's first layers look their experts up in a table by token id,
+
+    table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...
+
+and the op chooses its experts from router scores. Experts fed by such a lookup are reported as form
+"hash_routing".
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ import re
 
 import torch.fx as fx
 
-from .op_names import module_path, op_name
+from .op_names import module_path, op_name, tensor_meta
 
 FORM = "experts_alone"
 REASON = ("expert GEMMs (grouped_mm) without a router in this graph: a graph break between the routing and the "
           "experts (such as the host read of transformers' all-to-all expert parallelism) split the block, and "
           "the op fuses a router with its experts")
+HASH_FORM = "hash_routing"
+HASH_REASON = ("expert ids are looked up in a table by token id (hash routing, as in DeepSeek-V4's first layers), "
+               "not chosen by a top-k of router scores; the op chooses its experts from the scores")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -38,14 +48,38 @@ def _where(node: fx.Node) -> str:
     return f"{os.path.basename(path)}:{line}"
 
 
-def find_lone_experts(gm: fx.GraphModule) -> list:
-    """BlockReports for the `grouped_mm` nodes of `gm` (a graph with no routing top-k): one per module that
-    holds them, named by its path, and one for those without a module path (named by where the first is)."""
+def _is_table_lookup(node: fx.Node) -> bool:
+    """``table[idx]``: a 2-D integer tensor indexed by an integer tensor (token ids)."""
+    if op_name(node) != "getitem" or not isinstance(node.args[1], fx.Node):
+        return False
+    table, idx = tensor_meta(node.args[0]), tensor_meta(node.args[1])
+    return (table is not None and idx is not None and table.dim() == 2 and not table.is_floating_point()
+            and not idx.is_floating_point())
+
+
+def _hash_routed(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that depend on a table lookup of ids (`_is_table_lookup`)."""
+    reached, todo = set(), [n for n in gm.graph.nodes if _is_table_lookup(n)]
+    while todo:
+        n = todo.pop()
+        if n not in reached:
+            reached.add(n)
+            todo.extend(n.users)
+    return reached
+
+
+def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False) -> list:
+    """BlockReports for the `grouped_mm` nodes of `gm` (a graph with no routing top-k, or with `hash_routed_only`
+    those fed by a table lookup, in a graph whose top-k blocks are reported already): one per module that holds
+    them, named by its path, and one for those without a module path (named by where the first is)."""
     from .fuse_moe import BlockReport
 
-    names: dict = {}  # module path (or None) -> report name
+    hashed = _hash_routed(gm)
+    names: dict = {}  # module path (or None) -> (report name, hash routed)
     for n in gm.graph.nodes:
-        if op_name(n) == "grouped_mm":
+        if op_name(n) == "grouped_mm" and (n in hashed or not hash_routed_only):
             path = module_path(n)
-            names.setdefault(path, path or f"expert GEMM at {_where(n)}")
-    return [BlockReport(name=name, fused=False, form=FORM, reason=REASON) for name in names.values()]
+            name, hashed_before = names.get(path, (path or f"expert GEMM at {_where(n)}", True))
+            names[path] = (name, hashed_before and n in hashed)
+    return [BlockReport(name=name, fused=False, form=HASH_FORM if hashed else FORM,
+                        reason=HASH_REASON if hashed else REASON) for name, hashed in names.values()]

@@ -1,7 +1,8 @@
 """Find the nodes of one MoE block in a Dynamo graph, by structure.
 
     root ──view──> x [T, H] ─(cast)─ linear(W_r, b_r) ─> logits [T, E]
-                                                         │  softmax | sigmoid(+sel. bias, group mask) | -
+                                                         │  softmax | sigmoid | sqrt(softplus) (+sel. bias,
+                                                         │  group mask) | -
                                                          v
                                                        topk ──> w0 [T, K], ids [T, K]
     experts (any form: grouped_mm, W[ids] + bmm, per-expert Linear loops, masks)  <── ids, x
@@ -58,6 +59,7 @@ KNOWN_OPS = frozenset({
     "stack", "cat", "scatter_add", "index_put", "long", "int", "nonzero", "select", "narrow",
     "squeeze_", "getattr", "neg", "ge", "gt", "le", "lt",
     "full_like", "repeat",  # dense weight-on-input routing (Llama4): -inf scatter of the top-k, repeated input
+    "softplus", "sqrt",  # DeepSeek-V4's router scores, sqrt(softplus(logits))
     "max",  # a group's largest score in group-limited routing (DeepSeek-V2); `routing.match_router` places it
 })
 
@@ -195,7 +197,7 @@ def selection_topks(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, f
 
 # ----------------------------------------------------------------------------- router
 
-_ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "add", "masked_fill"} | CAST_OPS
+_ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "softplus", "sqrt", "add", "masked_fill"} | CAST_OPS
 
 
 def _fp32_router_mm(n: fx.Node) -> bool:

@@ -8,6 +8,7 @@
     C  logits ─(float)─ sigmoid ─> s ─(+ sel_bias)─[group mask: view(T,G,E/G).topk(2).sum ─ topk(kg) ─
        scatter ─ masked_fill(-inf)]─> topk ─> ids;  w0 = s.gather(1, ids) (or the top-k values where nothing
        biased the choice) ─[renormalise]─[* scale]─> w
+    E  C with s = sqrt(softplus(logits)) (DeepSeek-V4; softplus with PyTorch's defaults, both ops in one dtype)
     D  logits ─ topk ─> top ─ sigmoid ─[renormalise]─[* scale]─[cast]─> w
        with a selection bias (Kolibri1): logits + sel_bias ─> topk ─> ids;  top = logits.gather(1, ids)
     D  dense: logits ─ topk ─> top, ids;  full_like(logits, -inf).scatter(1, ids, top) ─(float)─ sigmoid ─[cast]─> s
@@ -144,6 +145,13 @@ def match_router(region: Region) -> RouterMatch:
                 raise NoMatch("router combines sigmoid with another score function")
             routing, scores = "sigmoid_grouped_topk", n
             softmax_fp32 = tensor_meta(n).dtype in (torch.float32, torch.float64)
+        elif name == "sqrt":
+            if routing is not None:
+                raise NoMatch("router combines sqrt with another score function")
+            routing, scores, softmax_fp32 = "sqrtsoftplus_topk", n, _sqrt_softplus_fp32(n)
+        elif name == "softplus":
+            if routing != "sqrtsoftplus_topk" or strip(scores.args[0], CAST_OPS) is not n:
+                raise NoMatch("router scores are softplus without its square root (only sqrt(softplus) is supported)")
         elif name == "add":
             if selection_bias is not None:
                 raise NoMatch("router adds two things before the top-k")
@@ -154,8 +162,8 @@ def match_router(region: Region) -> RouterMatch:
             raise NoMatch(f"router op {name!r} is not supported")
     n_group, topk_group, group_top = 1, 1, 2
     if masked is not None:
-        if routing not in ("sigmoid_grouped_topk", "softmax_topk"):
-            raise NoMatch("group-limited selection is only supported over softmax or sigmoid scores")
+        if routing not in ("sigmoid_grouped_topk", "softmax_topk", "sqrtsoftplus_topk"):
+            raise NoMatch("group-limited selection is only supported over softmax, sigmoid or sqrt-softplus scores")
         n_group, topk_group, group_top = _group_limit(region, masked, E, nonnegative=selection_bias is None)
 
     if routing is None and selection_bias is None and masked is None:
@@ -218,6 +226,20 @@ def match_router(region: Region) -> RouterMatch:
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
 
 
+def _sqrt_softplus_fp32(sqrt: fx.Node) -> bool:
+    """Whether ``sqrt(softplus(l))`` runs in fp32 (the op's softmax_fp32), for a sqrt of a softplus with PyTorch's
+    defaults (beta 1, threshold 20) in the same dtype: a cast between them would round where the op does not."""
+    sp = strip(sqrt.args[0], CAST_OPS)
+    if not isinstance(sp, fx.Node) or op_name(sp) != "softplus":
+        raise NoMatch("router scores are a sqrt of something other than a softplus")
+    if number(arg(sp, 1, "beta", 1.0)) != 1.0 or number(arg(sp, 2, "threshold", 20.0)) != 20.0:
+        raise NoMatch("router softplus has a beta or threshold other than PyTorch's defaults (1, 20)")
+    dtype = tensor_meta(sqrt).dtype
+    if tensor_meta(sp).dtype != dtype:
+        raise NoMatch("router softplus and its sqrt run in different dtypes")
+    return dtype in (torch.float32, torch.float64)
+
+
 def _selection_bias(region: Region, added) -> fx.Node | Flat:
     """The selection bias added before the top-k: a graph input of E values, through casts (as the op adds it in
     fp32) and views that keep their order (a [1, E] parameter squeezed)."""
@@ -242,11 +264,12 @@ def _gathered_scores(region: Region, scores: fx.Node, routing: str | None) -> fx
     source = None
     if len(gathers) == 1:
         g = gathers[0]
-        source = strip(g.args[0], CAST_OPS) if routing == "sigmoid_grouped_topk" else g.args[0]
+        source = strip(g.args[0], CAST_OPS) if routing in ("sigmoid_grouped_topk", "sqrtsoftplus_topk") else g.args[0]
         if arg(g, 1, "dim") not in (1, -1) or arg(g, 2, "index") is not region.ids:
             source = None
     if source is not scores:
-        what = {"sigmoid_grouped_topk": "sigmoid scores", "softmax_topk": "softmax probabilities"}
+        what = {"sigmoid_grouped_topk": "sigmoid scores", "softmax_topk": "softmax probabilities",
+                "sqrtsoftplus_topk": "sqrt-softplus scores"}
         what = what.get(routing, "logits")
         raise NoMatch(f"routing weights are not the unbiased {what} gathered at the chosen experts")
     return gathers[0]

@@ -19,6 +19,7 @@ ACTIVATION_CODES = {
     (True, "silu"): 1,
     (True, "gelu_tanh"): 2,
     (True, "clamped_silu"): 3,
+    (True, "clamped_swiglu"): 9,
     (False, "relu2"): 4,
     (False, "relu"): 5,
     (False, "silu"): 6,
@@ -76,6 +77,10 @@ def act_forward(g, u, alpha, limit, ACT: tl.constexpr, DT: tl.constexpr):
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         glu = _r(gc * _r(_sigmoid(_r(gc * alpha, DT)), DT), DT)
         return _r(_r(uc + 1.0, DT) * glu, DT)
+    elif ACT == 9:  # DeepSeek-V4: silu(min(g, limit)) * clamp(u, -limit, limit)
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        return _r(_r(gc * _sigmoid(gc), DT) * uc, DT)
     elif ACT == 4:  # relu(h)^2
         r = tl.maximum(g, 0.0)
         return _r(r * r, DT)
@@ -108,6 +113,13 @@ def act_backward(g, u, da, alpha, limit, ACT: tl.constexpr):
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         s = _sigmoid(alpha * gc)
         dg = tl.where(g <= limit, da * (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), da * gc * s, 0.0)
+        return dg, du
+    elif ACT == 9:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = _sigmoid(gc)
+        dg = tl.where(g <= limit, da * uc * s * (1.0 + gc * (1.0 - s)), 0.0)
         du = tl.where((u >= -limit) & (u <= limit), da * gc * s, 0.0)
         return dg, du
     elif ACT == 4:

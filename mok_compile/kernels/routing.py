@@ -15,7 +15,8 @@ import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
 
-ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3}
+ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3,
+                 "sqrtsoftplus_topk": 4}
 
 
 def routing_block(num_experts: int, num_tokens: int | None = None) -> tuple[int, int]:
@@ -76,6 +77,18 @@ def routing_warps(block_t: int, block_e: int) -> int:
 def _renorm_denominator(total, renorm_min, renorm_eps):
     """clamp(total, min=renorm_min) + renorm_eps (a NaN total stays NaN, as with torch.clamp)."""
     return tl.where(total < renorm_min, renorm_min, total) + renorm_eps
+
+
+@triton.jit
+def _softplus(x):
+    """log(1 + exp(x)) as PyTorch's softplus (x itself past its threshold 20), as max(x, 0) + log1p(exp(-|x|)), with
+    log1p(y) = log(u) * y / (u - 1), u = 1 + y: exact to a few ulps where y is tiny (Triton has no log1p that its
+    interpreter runs). An x of -inf gives 0."""
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    d = u - 1.0
+    log1p = tl.where(d == 0.0, y, tl.log(u) * (y / tl.where(d == 0.0, 1.0, d)))  # no 0 / 0, even unused
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
 
 @triton.jit
@@ -145,6 +158,12 @@ def _route_fwd_kernel(
         if SOFTMAX_LOW:  # sigmoid in the logits' dtype
             value = value.to(LDT).to(tl.float32)
         choice = tl.where(cmask[None, :], logit, ninf)
+    elif ROUTING == 4:  # sqrt(softplus(logits)) scores (DeepSeek-V4)
+        if SOFTMAX_LOW:  # each op in the logits' dtype, as PyTorch rounds softplus, then sqrt
+            value = tl.sqrt(_softplus(logit).to(LDT).to(tl.float32)).to(LDT).to(tl.float32)
+        else:
+            value = tl.sqrt(_softplus(logit))
+        choice = tl.where(cmask[None, :], value, ninf)
     else:  # sigmoid scores
         value = 1.0 / (1.0 + tl.exp(-logit))
         if SOFTMAX_LOW:  # sigmoid in the logits' dtype (LFM2-MoE)
@@ -305,6 +324,8 @@ def _route_bwd_kernel(
         base = p / tl.sum(p, axis=1)[:, None]
     elif ROUTING == 2 or ROUTING == 3:  # 3 (topk_sigmoid): the same sigmoid, of the picked logits only
         base = tl.where(lmask, 1.0 / (1.0 + tl.exp(-logit)), 0.0)
+    elif ROUTING == 4:
+        base = tl.where(lmask, tl.sqrt(_softplus(logit)), 0.0)
     else:
         base = logit
     w0 = tl.zeros((BLOCK_T, K_PAD), tl.float32)
@@ -334,6 +355,9 @@ def _route_bwd_kernel(
         dl = base * (scat - tl.sum(base * scat, axis=1)[:, None])
     elif ROUTING == 1:
         dl = scat
+    elif ROUTING == 4:  # d sqrt(softplus(l)) = sigmoid(l) / (2 s); 0 where s underflowed to 0
+        dl = tl.where(base > 0.0, scat * (1.0 / (1.0 + tl.exp(-logit))) / (2.0 * tl.where(base > 0.0, base, 1.0)),
+                      0.0)
     else:  # 2, 3: d logits[t, ids] = d w0 * w0 * (1 - w0)
         dl = scat * base * (1.0 - base)
     # Rounded once from fp32 where the caller asked for the router's dtype (as `.to()` would round it).

@@ -89,7 +89,7 @@ lib.define(FUSED_MOE_TRAIN_SCHEMA)
 lib.define(FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_GROUPED_ROUTINGS = ("softmax_topk", "sigmoid_grouped_topk")
+_GROUPED_ROUTINGS = ("softmax_topk", "sigmoid_grouped_topk", "sqrtsoftplus_topk")
 
 
 def _fail(msg: str):

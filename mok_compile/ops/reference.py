@@ -95,6 +95,8 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
         scores = (_upcast(logits) if softmax_fp32 else logits).sigmoid()
     elif routing == "topk_sigmoid":
         scores = logits
+    elif routing == "sqrtsoftplus_topk":
+        scores = F.softplus(_upcast(logits) if softmax_fp32 else logits).sqrt()
     else:
         raise ValueError(f"unknown routing {routing!r}")
     choice = scores if selection_bias is None else scores + selection_bias
@@ -108,7 +110,7 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
-    if routing == "sigmoid_grouped_topk":
+    if routing in ("sigmoid_grouped_topk", "sqrtsoftplus_topk"):
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         top = scores.gather(1, ids)
     else:
@@ -149,6 +151,8 @@ def activate(h, *, activation, gated, interleaved, alpha, limit):
             up = up.clamp(min=-limit, max=limit)
             glu = gate * torch.sigmoid(gate * alpha)
             return (up + 1) * glu
+        if activation == "clamped_swiglu":
+            return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     else:
         if activation == "relu2":
             return torch.square(F.relu(h))
@@ -248,6 +252,12 @@ def activation_backward(h, da, *, activation, gated, interleaved, alpha, limit):
             s = torch.sigmoid(alpha * gc)
             dg = (da * (uc + 1) * (s + alpha * gc * s * (1 - s))) * (g <= limit)
             du = (da * gc * s) * ((u >= -limit) & (u <= limit))
+        elif activation == "clamped_swiglu":
+            gc = g.clamp(max=limit)
+            uc = u.clamp(min=-limit, max=limit)
+            s = torch.sigmoid(gc)
+            dg = (da * uc * s * (1 + gc * (1 - s))) * (g <= limit)
+            du = (da * gc * s) * ((u >= -limit) & (u <= limit))
         else:
             raise ValueError(f"unknown gated activation {activation!r}")
         if interleaved:
@@ -286,6 +296,9 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
         w0 = torch.softmax(l.gather(1, topk_ids), dim=-1)
     elif routing == "topk_sigmoid":
         w0 = torch.sigmoid(l.gather(1, topk_ids))
+    elif routing == "sqrtsoftplus_topk":
+        base = F.softplus(l).sqrt()
+        w0 = base.gather(1, topk_ids)
     else:
         base = torch.sigmoid(l)
         w0 = base.gather(1, topk_ids)
@@ -305,6 +318,8 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
     if routing == "topk_sigmoid":  # d logits[t, ids] = d w0 * w0 * (1 - w0)
         return torch.zeros_like(l).scatter_(1, topk_ids, d * w0 * (1 - w0))
     ds = torch.zeros_like(l).scatter_(1, topk_ids, d)
+    if routing == "sqrtsoftplus_topk":  # d sqrt(softplus(l)) = sigmoid(l) / (2 s); 0 where s underflowed to 0
+        return torch.where(base > 0, ds * torch.sigmoid(l) / (2 * base), 0.0)
     return ds * base * (1 - base)
 
 

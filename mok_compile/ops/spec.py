@@ -23,10 +23,13 @@ Routing families (see shared/moe-semantics.md):
   (fp32 when ``softmax_fp32``) -> optional renormalise -> scale. Llama4, whose
   dense weight-on-input MoE also sets ``weight_on_input``; Kolibri1 (with a
   selection bias on the logits).
+- ``sqrtsoftplus_topk`` (E): C with ``sqrt(softplus(logits))`` scores in place of
+  the sigmoid (softplus with PyTorch's threshold 20). DeepSeek-V4's learned
+  routers.
 
 A selection bias (the op's ``selection_bias`` argument) is added to the values
 the top-k ranks (A: the probabilities, B and D: the logits, C: the sigmoid
-scores) and only chooses: the weights are the unbiased values at the chosen
+scores, E: the sqrt-softplus scores) and only chooses: the weights are the unbiased values at the chosen
 experts.
 """
 
@@ -36,8 +39,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid")
-GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk")
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
 
 
@@ -50,14 +53,14 @@ class RoutingSpec:
         than the ``[E, H]`` router weight.
     router_fp32: logits are ``linear(x.float(), W.float())`` (DeepSeek-V3 keeps
         its router in fp32); otherwise they are computed in the input dtype.
-    softmax_fp32: softmax (A, B) / sigmoid (C, D) runs on fp32 logits; otherwise in
+    softmax_fp32: softmax (A, B) / sigmoid (C, D) / sqrt-softplus (E) runs on fp32 logits; otherwise in
         the logits' dtype (GPT-OSS does its softmax in bf16, LFM2-MoE its sigmoid).
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
-    n_group, topk_group, group_top: group-limited selection (``softmax_topk`` and
-        ``sigmoid_grouped_topk``): the experts form ``n_group`` equal groups, a group's
+    n_group, topk_group, group_top: group-limited selection (``softmax_topk``,
+        ``sigmoid_grouped_topk`` and ``sqrtsoftplus_topk``): the experts form ``n_group`` equal groups, a group's
         score is the sum of its ``group_top`` largest selection values, and only the
         ``topk_group`` best groups' experts can be chosen.
     renorm_min: the renormalisation's denominator is at least this, i.e.
@@ -113,7 +116,8 @@ class ExpertSpec:
         ``[E, H, I]``.
     activation: for gated experts ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or
         ``clamped_silu`` (GPT-OSS: ``(clamp(u,-limit,limit)+1) * g*sigmoid(alpha*g)``
-        with ``g = min(g, limit)``); for ungated ones ``relu2``, ``relu``,
+        with ``g = min(g, limit)``) or ``clamped_swiglu`` (DeepSeek-V4:
+        ``silu(min(g, limit)) * clamp(u, -limit, limit)``); for ungated ones ``relu2``, ``relu``,
         ``silu``, ``gelu`` or ``gelu_tanh``.
     """
 

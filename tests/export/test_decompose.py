@@ -52,11 +52,13 @@ def test_ungated_experts_and_omitted_defaults(form):
 
 
 @pytest.mark.parametrize("form", EXPERTS_FORMS)
-@pytest.mark.parametrize("case", WEIGHT_ON_INPUT_CASES + [CASES_BY_NAME["topk_sigmoid_renorm_scale_wdtype"]], ids=str)
-def test_weight_on_input_and_topk_sigmoid_match_reference(case, form):
-    """Every weight_on_input variant (biases, other routings, fp32 weights on bf16 input) and topk_sigmoid, in
-    the case's dtype and in fp64: same routing, and the output of the reference (bit for bit in fp64 up to
-    summation order)."""
+@pytest.mark.parametrize("case", WEIGHT_ON_INPUT_CASES + [CASES_BY_NAME[name] for name in (
+    "topk_sigmoid_renorm_scale_wdtype", "sqrtsoftplus_deepseek_v4_bf16", "sqrtsoftplus_groups_renorm",
+    "clamped_swiglu_bf16")], ids=str)
+def test_case_forms_match_reference(case, form):
+    """Every weight_on_input variant (biases, other routings, fp32 weights on bf16 input), topk_sigmoid and
+    DeepSeek-V4's routing and experts (no HF family here: transformers >= 5.25), in the case's dtype and in fp64:
+    same routing, and the output of the reference (bit for bit in fp64 up to summation order)."""
     for dtype in (case.dtype, torch.float64):
         args, kw = make_args(case, T=9, dtype=dtype if dtype == torch.float64 else None)
         out, w, ids = fused_moe_decomposed(*args, experts_form=form, **kw)

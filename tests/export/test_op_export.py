@@ -5,6 +5,7 @@ aten ops that lower to linalg-on-tensors and run on torch-mlir's RefBackend.
 """
 
 import contextlib
+import dataclasses
 import os
 import re
 import tempfile
@@ -21,6 +22,9 @@ from torch_mlir.ir import Context, Module  # noqa: E402
 from mok_compile import hf_blocks  # noqa: E402
 from mok_compile.export import abstract_interp_library, export_mlir  # noqa: E402
 
+from mok_compile.ops.spec import ExpertSpec  # noqa: E402
+
+from ..ops.moe_cases import CASES_BY_NAME, make_args  # noqa: E402
 from .filecheck import count_matches, filecheck  # noqa: E402
 from .refbackend import RefBackendFunction  # noqa: E402
 
@@ -33,8 +37,11 @@ class FusedMoE(torch.nn.Module):
 
     def __init__(self, family, dtype=torch.float32):
         super().__init__()
-        block = hf_blocks.make_block(family, SIZES, dtype=dtype)
-        tensors, self.kw = hf_blocks.op_arguments(family, block)
+        if family == "deepseek_v4":  # no HF block before transformers 5.25: the op's arguments drawn as tests/ops does
+            tensors, self.kw = _deepseek_v4_arguments(dtype)
+        else:
+            block = hf_blocks.make_block(family, SIZES, dtype=dtype)
+            tensors, self.kw = hf_blocks.op_arguments(family, block)
         names = ("router", "router_bias", "selection_bias", "gate_up_proj", "gate_up_bias", "down_proj", "down_bias")
         self.names = names
         for name, t in zip(names, tensors):
@@ -45,6 +52,15 @@ class FusedMoE(torch.nn.Module):
 
     def forward(self, x):
         return torch.ops.mok.fused_moe(x, *(getattr(self, n) for n in self.names), **self.kw)
+
+
+def _deepseek_v4_arguments(dtype):
+    """DeepSeek-V4's routing (sqrt(softplus) scores, a selection bias, renormalised, scaled) and clamped SwiGLU at
+    SIZES, without x."""
+    case = dataclasses.replace(CASES_BY_NAME["sqrtsoftplus_deepseek_v4_bf16"], num_experts=SIZES.experts,
+                               experts=ExpertSpec(activation="clamped_swiglu", limit=0.75))
+    args, kw = make_args(case, T=1, H=SIZES.hidden, I=SIZES.intermediate, dtype=dtype)
+    return args[1:], kw
 
 
 def _tokens():
@@ -159,6 +175,7 @@ def _library_file():
     ("ernie4_5_moe", "gather"),  # softmax + selection bias, w / clamp(sum, min)
     ("llama4", "gather"),  # top-k -> sigmoid, weight on the expert's input, unweighted sum, transposed weights
     ("llama4", "dense"),
+    ("deepseek_v4", "gather"),  # sqrt(softplus) scores + selection bias, clamped SwiGLU without GPT-OSS's "+ 1"
 ])
 def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
     """Form 2: no torch.operator left, linalg-on-tensors with a dynamic token dim, same numbers as the op."""

@@ -63,6 +63,12 @@ VARIANTS = {
     # holds the sum at the clamp for some tokens (top-2 of 8 probabilities), so both sides of it are checked.
     "ernie": (dict(router_fp32=True, renormalize=True, renorm_min=0.3, weights_fp32=False), ExpertSpec(), False, False,
               True),
+    # DeepSeek-V4: sqrt(softplus(logits)) in the router's dtype, a selection bias, renormalised (+1e-20) and scaled,
+    # weights in the input dtype; its clamped SwiGLU, silu(min(g, limit)) * clamp(u, -limit, limit), with a limit that
+    # unit-scale activations cross.
+    "deepseek_v4": (dict(routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True, renorm_eps=1e-20,
+                         routed_scale=1.5, weights_fp32=False), ExpertSpec(activation="clamped_swiglu", limit=0.75),
+                    False, False, True),
     # Kolibri1: fp32 router, a selection bias on the logits, sigmoid of the unbiased chosen logits, renormalised.
     "kolibri": (dict(routing="topk_sigmoid", router_fp32=True, renormalize=True), ExpertSpec(), False, False, True),
 }

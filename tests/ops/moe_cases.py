@@ -104,6 +104,15 @@ ROUTING_CASES = [
          selection_bias=True, dtype=torch.bfloat16, router_dtype=torch.float32),
     Case("topk_sigmoid_selection_bias_clamp_min", _r(routing="topk_sigmoid", renormalize=True, renorm_min=1.3),
          selection_bias=True),
+    # sqrtsoftplus_topk (DeepSeek-V4's router): sqrt(softplus(logits)) in the logits' dtype, a selection bias,
+    # the unbiased scores at the chosen experts renormalised (+1e-20) and scaled, weights in the input dtype; in fp32
+    # and with groups (the op allows them, HF's V4 has none).
+    Case("sqrtsoftplus_deepseek_v4_bf16", _r(routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True,
+                                             renorm_eps=1e-20, routed_scale=1.5, weights_fp32=False),
+         selection_bias=True, dtype=torch.bfloat16),
+    Case("sqrtsoftplus", _r(routing="sqrtsoftplus_topk")),
+    Case("sqrtsoftplus_groups_renorm", _r(routing="sqrtsoftplus_topk", top_k=3, n_group=4, topk_group=2,
+                                          renormalize=True, routed_scale=2.5), selection_bias=True, num_experts=8),
 ]
 
 # weight_on_input: the routing weight scales each expert's input, the k outputs are summed unweighted.
@@ -135,6 +144,9 @@ EXPERT_CASES = [
     Case("clamped_silu_concatenated", _r(), ExpertSpec(**_CLAMPED)),
     Case("clamped_silu_gpt_oss", _r(routing="topk_softmax", softmax_fp32=False, weights_fp32=False),
          ExpertSpec(**_CLAMPED, interleaved=True, transposed=True), router_bias=True, expert_bias=True),
+    # DeepSeek-V4's: silu(min(g, limit)) * clamp(u, -limit, limit).
+    Case("clamped_swiglu", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75)),
+    Case("clamped_swiglu_bf16", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75), dtype=torch.bfloat16),
     Case("relu2", _r(), ExpertSpec(activation="relu2", gated=False)),
     Case("relu2_transposed_bias", _r(), ExpertSpec(activation="relu2", gated=False, transposed=True),
          expert_bias=True),
@@ -217,6 +229,10 @@ def _activation(h, spec: ExpertSpec, I: int):
             g = torch.clamp(g, max=spec.limit)
             u = torch.clamp(u, min=-spec.limit, max=spec.limit)
             return (u + 1) * g * _sigmoid(spec.alpha * g)
+        if spec.activation == "clamped_swiglu":
+            g = torch.clamp(g, max=spec.limit)
+            u = torch.clamp(u, min=-spec.limit, max=spec.limit)
+            return g * _sigmoid(g) * u
     else:
         relu = torch.where(h > 0, h, torch.zeros_like(h))
         if spec.activation == "relu2":
@@ -277,6 +293,11 @@ def dense_oracle(args, kwargs):
         elif kw["routing"] == "topk_sigmoid":
             chosen = _largest(logits + bias, K)
             w = _sigmoid(logits[chosen])
+        elif kw["routing"] == "sqrtsoftplus_topk":
+            s = torch.sqrt(torch.log(1 + torch.exp(logits)))
+            c = s if selection_bias is None else s + selection_bias
+            chosen = _largest(c, K, _allowed(c, kw))
+            w = s[chosen]
         else:
             s = _sigmoid(logits)
             c = s if selection_bias is None else s + selection_bias

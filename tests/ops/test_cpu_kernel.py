@@ -37,16 +37,19 @@ ROUTINGS = {
                                                              softmax_fp32=False, weights_fp32=False,
                                                              weight_on_input=True),
     "softmax_topk_weight_on_input_wdtype": dict(top_k=2, routed_scale=2.0, weights_fp32=False, weight_on_input=True),
+    "sqrtsoftplus_deepseek_v4": dict(top_k=2, routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True,
+                                     renorm_eps=1e-20, routed_scale=1.5, weights_fp32=False),
+    "sqrtsoftplus_groups": dict(top_k=3, routing="sqrtsoftplus_topk", n_group=4, topk_group=2, routed_scale=2.5),
 }
 # Which routings get a router bias / selection bias (as in GPT-OSS / DeepSeek-V3).
 ROUTER_BIAS = {"topk_softmax_gpt_oss", "sigmoid_ungrouped_wdtype"}
-SELECTION_BIAS = {"sigmoid_deepseek_v3", "sigmoid_ungrouped_wdtype"}
+SELECTION_BIAS = {"sigmoid_deepseek_v3", "sigmoid_ungrouped_wdtype", "sqrtsoftplus_deepseek_v4", "sqrtsoftplus_groups"}
 
-# A small clamp limit so that unit-scale activations hit both sides of GPT-OSS's clamps.
+# A small clamp limit so that unit-scale activations hit both sides of GPT-OSS's and DeepSeek-V4's clamps.
 EXPERTS = {
     **{f"{act}_{'interleaved' if inter else 'concat'}": dict(activation=act, gated=True, interleaved=inter,
                                                             limit=0.75)
-       for act in ("silu", "gelu_tanh", "clamped_silu") for inter in (False, True)},
+       for act in ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu") for inter in (False, True)},
     **{f"{act}_ungated": dict(activation=act, gated=False) for act in ("relu2", "relu", "silu", "gelu", "gelu_tanh")},
 }
 

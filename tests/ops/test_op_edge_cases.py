@@ -287,7 +287,8 @@ def test_wrong_layout_flag_is_caught(transposed):
     (dict(renormalize=True, renorm_min=-1.0), r"renorm_min must be a finite number >= 0, got -1.0"),
     (dict(renormalize=True, renorm_min=float("inf")), r"renorm_min must be a finite number >= 0, got inf"),
     (dict(routing="topk_softmax", n_group=2), r"n_group=2 \(group-limited routing\) is only supported with "
-                                              r"routing in \('softmax_topk', 'sigmoid_grouped_topk'\)"),
+                                              r"routing in \('softmax_topk', 'sigmoid_grouped_topk', "
+                                              r"'sqrtsoftplus_topk'\)"),
     (dict(routing="topk_sigmoid", n_group=2, topk_group=1),
      r"n_group=2 \(group-limited routing\) is only supported with routing in"),
     (dict(n_group=2, group_top=3), r"group_top must be 1 \(group max\) or 2 \(sum of the top 2\), got 3"),

@@ -270,6 +270,42 @@ class SoftmaxGroupLimitedMoE(StackedGatherMoE):
         return w * self.scale, ids.reshape(-1)
 
 
+class SqrtSoftplusMoE(StackedGatherMoE):
+    """DeepSeek-V4's routed experts (transformers' `DeepseekV4TopKRouter` and `DeepseekV4Experts`): sqrt(softplus)
+    scores, a selection bias, the unbiased scores gathered at the top-k's ids, renormalised (+1e-20) and scaled; the
+    SwiGLU clamped at `limit` (gate from above, up on both sides). Near misses: `variant` "softplus" (no sqrt),
+    "beta" (softplus with beta 2), "cast" (softplus in fp32, its sqrt in bf16), "swapped_clamps" (the gate clamped
+    on both sides, the up from above only: the same ops)."""
+
+    def __init__(self, limit=0.5, variant=None, **kw):
+        super().__init__(**kw)
+        self.limit, self.variant = limit, variant
+
+    def route(self, x):
+        logits = F.linear(x, self.router)
+        if self.variant == "softplus":
+            scores = F.softplus(logits)
+        elif self.variant == "beta":
+            scores = F.softplus(logits, beta=2.0).sqrt()
+        elif self.variant == "cast":
+            scores = F.softplus(logits.float()).to(torch.bfloat16).sqrt()
+        else:
+            scores = F.softplus(logits).sqrt()
+        ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scale, ids.reshape(-1)
+
+    def experts(self, xs, flat):
+        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        if self.variant == "swapped_clamps":
+            gate, up = gate.clamp(min=-self.limit, max=self.limit), up.clamp(max=self.limit)
+        else:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
 class SharedExpertMoE(nn.Module):
     """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
 

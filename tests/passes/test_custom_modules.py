@@ -178,6 +178,35 @@ def test_softmax_group_limited_gathered_from_logits_untouched():
     assert "not the unbiased softmax probabilities gathered at the chosen experts" in report.rejected[0].reason
 
 
+def test_sqrt_softplus_router_clamped_swiglu_fused():
+    """DeepSeek-V4's routed experts: sqrt(softplus) scores with a selection bias, renormalised (+1e-20) and scaled,
+    the SwiGLU clamped at a limit the inputs cross (gate from above, up on both sides)."""
+    torch.manual_seed(0)
+    module = models.SqrtSoftplusMoE()
+    gm, example, report, eager = _fuse(module, torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    routing, experts = report.blocks[0].routing, report.blocks[0].experts
+    assert (routing.routing, routing.softmax_fp32, routing.renorm_eps, routing.routed_scale) == (
+        "sqrtsoftplus_topk", True, 1e-20, 1.5)
+    assert (experts.activation, experts.limit) == ("clamped_swiglu", 0.5)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    with torch.no_grad():  # the limit clamped some gate from above and some up from below
+        h = torch.einsum("eih,th->tei", module.w_in, example[0])
+        assert (h[..., :16] > 0.5).any() and (h[..., 16:] < -0.5).any()
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("softplus", "softplus without its square root"),
+    ("beta", "beta or threshold other than PyTorch's defaults"),
+    ("cast", "softplus and its sqrt run in different dtypes"),
+    ("swapped_clamps", "is not silu(gate.clamp(max=L)) * up.clamp(-L, L)"),
+])
+def test_sqrt_softplus_near_misses_untouched(variant, reason):
+    gm, example, report, eager = _fuse(models.SqrtSoftplusMoE(variant=variant), torch.randn(24, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert reason in report.rejected[0].reason, report.rejected[0].reason
+
+
 def test_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))
