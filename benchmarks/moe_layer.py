@@ -1,6 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
-    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4]
+    python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4,
+                                              deepseek_v4]
         [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
@@ -34,6 +35,7 @@ import statistics
 import time
 
 import torch
+import transformers
 from torch._dynamo.utils import counters
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
@@ -58,6 +60,9 @@ SHAPES = {
     # Llama4-Scout: weight on the expert input, top-1, a shared expert (outside the op, as in HF). HF's
     # own experts run densely (every token through every expert, unselected ones with weight 0).
     "llama4": ("llama4", BlockSizes(hidden=5120, intermediate=8192, experts=16, top_k=1), {}, (256, 4096)),
+    # DeepSeek-V4 (transformers >= 5.25; skipped with an older one): sqrt(softplus) scores with a selection bias,
+    # the SwiGLU clamped at 10, a shared expert outside the op.
+    "deepseek_v4": ("deepseek_v4", BlockSizes(hidden=4096, intermediate=2048, experts=256, top_k=6), {}, (256, 4096)),
 }
 
 
@@ -102,7 +107,7 @@ def build_block(family, sizes, overrides):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            block = hf_blocks._block_class(family)(cfg)
+            block = hf_blocks.new_block(family, cfg)
     finally:
         torch.set_default_dtype(old)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -114,9 +119,7 @@ def build_block(family, sizes, overrides):
             if p.is_floating_point():
                 std = bias_std if name.endswith("e_score_correction_bias") else 0.02
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * std)
-    if family in hf_blocks.FP32_ROUTER_FAMILIES:
-        block.gate.float()
-    return block.eval()
+    return hf_blocks.keep_fp32_parts_(family, block).eval()
 
 
 def layer_routing(name, T, seed=0, block=None):
@@ -471,6 +474,9 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rows = []
     for name in args.shapes.split(","):
+        if not hf_blocks.available([SHAPES[name][0]]):
+            log(f"{name}: skipped (this transformers, {transformers.__version__}, has no {SHAPES[name][0]})")
+            continue
         rows += run_shape(name, tokens, ceilings, log, args.profile, args.mode, args.rounds)
         write_json(args.out, "results.json", {"ceilings": ceilings, "compile_mode": args.mode, "rows": rows})
     plot(rows, os.path.join(args.out, "speedup.png"))

@@ -34,8 +34,20 @@ WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
 # and the layer benchmark; its tiny models' MLA attention does not trace in the backend tests.
 OTHER_FAMILIES = ("deepseek_v2",)
 ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
+# Families of transformers newer than the oldest supported (5.17), kept out of ALL_FAMILIES: DeepSeek-V4 (5.25),
+# whose learned-router layers (past its hash-routed ones) the op fuses.
+NEWER_FAMILIES = ("deepseek_v4",)
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
 FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2")
+# Families whose selection bias alone HF keeps in fp32 in a bf16 model.
+FP32_SELECTION_BIAS_FAMILIES = ("deepseek_v4",)
+
+
+def available(families) -> tuple:
+    """Those of `families` that this transformers has."""
+    import importlib.util
+
+    return tuple(f for f in families if importlib.util.find_spec(f"transformers.models.{f}") is not None)
 
 
 def _require_transformers():
@@ -86,6 +98,10 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
         # Every layer MoE, one shared expert (outside the op); moe_k / moe_num_experts are what the aliases set.
         cfg = tf.Ernie4_5_MoeConfig(intermediate_size=2 * I, moe_intermediate_size=I, moe_num_experts=E,
                                     moe_num_shared_experts=1, moe_layer_start_index=0, **common)
+    elif family == "deepseek_v4":
+        # Its experts and shared expert both take intermediate_size; every layer routed by its learned router.
+        cfg = tf.DeepseekV4Config(intermediate_size=I, moe_intermediate_size=I, num_local_experts=E,
+                                  mlp_layer_types=["moe"] * num_layers, **common)
     elif family == "llama4":
         # Text-only (Llama4ForCausalLM), every layer MoE (gated shared expert of size I, outside the op);
         # dense layers (none here) would use intermediate_size_mlp.
@@ -93,10 +109,28 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   head_dim=H // 4, interleave_moe_layer_step=1, moe_layers=list(range(num_layers)),
                                   no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES + NEWER_FAMILIES}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def new_block(family: str, cfg):
+    """`family`'s MoE block built from `cfg` (DeepSeek-V4's takes its layer's index: the last one, past the
+    hash-routed layers)."""
+    if family == "deepseek_v4":
+        return _block_class(family)(cfg, layer_idx=cfg.num_hidden_layers - 1)
+    return _block_class(family)(cfg)
+
+
+def keep_fp32_parts_(family: str, block):
+    """Put back in fp32 what HF keeps in fp32 in a 16-bit model: the router (`FP32_ROUTER_FAMILIES`) or the
+    selection bias (`FP32_SELECTION_BIAS_FAMILIES`)."""
+    if family in FP32_ROUTER_FAMILIES:
+        block.gate.float()
+    elif family in FP32_SELECTION_BIAS_FAMILIES:
+        block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.float()
+    return block
 
 
 def _block_class(family: str):
@@ -114,6 +148,7 @@ def _block_class(family: str):
         "llama4": "Llama4TextMoe",
         "ernie4_5_moe": "Ernie4_5_MoeSparseMoeBlock",
         "deepseek_v2": "DeepseekV2Moe",
+        "deepseek_v4": "DeepseekV4SparseMoeBlock",
     }
     return getattr(mod, names[family])
 
@@ -135,12 +170,9 @@ def make_block(family: str, sizes: BlockSizes = BlockSizes(), dtype=torch.float3
     """One transformers MoE block of `family` with random weights, in eval mode."""
     cfg = make_config(family, sizes)
     cfg._experts_implementation = experts_implementation
-    block = _block_class(family)(cfg)
+    block = new_block(family, cfg)
     init_moe_weights_(block, seed=seed)
-    block = block.to(device=device, dtype=dtype).eval()
-    if family in FP32_ROUTER_FAMILIES:
-        block.gate.float()
-    return block
+    return keep_fp32_parts_(family, block.to(device=device, dtype=dtype).eval())
 
 
 def routed_parts(family: str, block):
@@ -178,6 +210,12 @@ def routed_parts(family: str, block):
                            n_group=cfg.n_group if grouped else 1, topk_group=cfg.topk_group if grouped else 1,
                            group_top=1 if grouped else 2)
         return block.gate, block.experts, spec, ExpertSpec()
+    if family == "deepseek_v4":
+        # DeepseekV4TopKRouter: sqrt(softplus) of the logits in their dtype, a selection bias, the scores gathered
+        # at the chosen experts, renormalised (+1e-20), scaled; experts silu(min(g, L)) * clamp(u, -L, L).
+        spec = RoutingSpec(top_k=block.gate.top_k, routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True,
+                           renorm_eps=1e-20, routed_scale=float(block.gate.routed_scaling_factor), weights_fp32=False)
+        return block.gate, block.experts, spec, ExpertSpec(activation="clamped_swiglu", limit=float(block.experts.limit))
     if family == "ernie4_5_moe":
         # Ernie4_5_MoeTopKRouter: fp32 softmax, a selection bias on the probabilities, w / clamp(sum, min), cast.
         spec = RoutingSpec(top_k=K, router_fp32=True, renormalize=True, renorm_min=float(block.gate.norm_min),

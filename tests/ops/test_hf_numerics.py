@@ -3,8 +3,9 @@
 Each HF block is rebuilt with its routed experts replaced by the op, the way the
 compiler pass will do it: shared experts (Qwen2-MoE's gated one, DeepSeek-V3's
 ungated one) stay HF modules added outside the op. Weights use std 0.2 (not HF's
-0.02) so router gradients are real signal, not 1e-7 noise; GPT-OSS's gate_up uses
-std 1 so both of its clamps are active.
+0.02) so router gradients are real signal, not 1e-7 noise; GPT-OSS's and DeepSeek-V4's
+gate_up use std 1 so both of their clamps are active. DeepSeek-V4 (transformers >= 5.25)
+is checked where transformers has it.
 
 Tolerances (what each test asserts):
 - fp32: output within 1e-5 relative (of the block's largest output), every gradient
@@ -26,7 +27,7 @@ pytest.importorskip("transformers")
 
 from mok_compile import hf_blocks  # noqa: E402
 
-FAMILIES = hf_blocks.FAMILIES
+FAMILIES = hf_blocks.FAMILIES + hf_blocks.available(hf_blocks.NEWER_FAMILIES)
 H = hf_blocks.BlockSizes().hidden
 T = 48
 
@@ -40,13 +41,10 @@ def _block(family, dtype=torch.float32, impl="grouped_mm"):
     """An HF block with large enough random weights, converted the way HF loads a bf16 model."""
     block = hf_blocks.make_block(family, experts_implementation=impl)
     hf_blocks.init_moe_weights_(block, std=0.2, seed=1)
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "deepseek_v4"):  # past their clamps' limits
         with torch.no_grad():
             block.experts.gate_up_proj.mul_(5.0)
-    block = block.to(dtype)
-    if family in hf_blocks.FP32_ROUTER_FAMILIES:
-        block.gate.float()
-    return block
+    return hf_blocks.keep_fp32_parts_(family, block.to(dtype))
 
 
 def _router(family, block):
@@ -75,7 +73,7 @@ def _with_op(family, block, x, router_is_logits=False):
     out, weights, _ = _op_call(family, block, x2, router_is_logits)
     if family == "qwen2_moe":
         out = out + F.sigmoid(block.shared_expert_gate(x2)) * block.shared_expert(x2)
-    elif family in ("deepseek_v3", "ernie4_5_moe"):
+    elif family in ("deepseek_v3", "ernie4_5_moe", "deepseek_v4"):
         out = out + block.shared_experts(x2)
     out = out.view(x.shape)
     return (out, weights) if family == "gpt_oss" else (out,)
@@ -144,6 +142,20 @@ def test_fp32_outputs_routing_and_grads(family, router_form):
     for name, g_hf in grads_hf.items():
         assert g_hf.norm() > 1e-3 * grads_hf["hidden_states"].norm(), f"grad {name} is negligible: test is vacuous"
         assert _rel(grads_op[name], g_hf) <= 1e-5, f"grad {name}: rel err {_rel(grads_op[name], g_hf):.2e}"
+
+
+def test_deepseek_v4_clamps_are_active():
+    """Guards the clamp-gradient coverage above for DeepSeek-V4: routed pre-activations cross both limits."""
+    if "deepseek_v4" not in FAMILIES:
+        pytest.skip("DeepSeek-V4 needs transformers >= 5.25")
+    block = _block("deepseek_v4")
+    x, _ = _inputs(torch.float32)
+    x2 = x.view(-1, H)
+    _, _, ids = block.gate(x2)
+    e = block.experts
+    gate, up = torch.einsum("th,tkfh->tkf", x2, e.gate_up_proj[ids]).chunk(2, dim=-1)
+    assert (gate > e.limit).any() and (up > e.limit).any() and (up < -e.limit).any()
+    assert (gate < e.limit).float().mean() > 0.5
 
 
 def test_gpt_oss_clamps_are_active():
