@@ -215,7 +215,8 @@ def routed_parts(family: str, block):
         # at the chosen experts, renormalised (+1e-20), scaled; experts silu(min(g, L)) * clamp(u, -L, L).
         spec = RoutingSpec(top_k=block.gate.top_k, routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True,
                            renorm_eps=1e-20, routed_scale=float(block.gate.routed_scaling_factor), weights_fp32=False)
-        return block.gate, block.experts, spec, ExpertSpec(activation="clamped_swiglu", limit=float(block.experts.limit))
+        experts = ExpertSpec(activation="clamped_swiglu", limit=float(block.experts.limit))
+        return block.gate, block.experts, spec, experts
     if family == "ernie4_5_moe":
         # Ernie4_5_MoeTopKRouter: fp32 softmax, a selection bias on the probabilities, w / clamp(sum, min), cast.
         spec = RoutingSpec(top_k=K, router_fp32=True, renormalize=True, renorm_min=float(block.gate.norm_min),
