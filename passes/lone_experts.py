@@ -13,7 +13,7 @@ log say why nothing was fused instead of saying nothing.
 
 Hash routing has no top-k either: DeepSeek-V4's first layers look their experts up in a table by token id,
 
-    table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...
+    table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...   (or W[ids] ─ bmm: batched_mm)
 
 and the op chooses its experts from router scores. Experts fed by such a lookup are reported as form
 "hash_routing".
@@ -58,13 +58,22 @@ def _is_table_lookup(node: fx.Node) -> bool:
 
 
 def _hash_routed(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes that depend on a table lookup of ids (`_is_table_lookup`)."""
-    reached, todo = set(), [n for n in gm.graph.nodes if _is_table_lookup(n)]
-    while todo:
-        n = todo.pop()
-        if n not in reached:
-            reached.add(n)
-            todo.extend(n.users)
+    """The nodes of the MoE block of a table lookup of ids (`_is_table_lookup`) that depend on it: the lookup's
+    module's siblings (the router "...mlp.gate" looks up, the experts "...mlp.experts" use the ids), or the whole
+    graph where the block is the compiled module. Everything after the block depends on it too, later layers'
+    experts included: the module path keeps to the block. Without module paths nothing is classed hash routed."""
+    reached = set()
+    for lookup in (n for n in gm.graph.nodes if _is_table_lookup(n)):
+        path = module_path(lookup)
+        if path is None:
+            continue
+        block = path.rsplit(".", 1)[0] + "." if "." in path else ""  # "": the block is the compiled module
+        todo = [lookup]
+        while todo:
+            n = todo.pop()
+            if n not in reached:
+                reached.add(n)
+                todo.extend(u for u in n.users if (module_path(u) or "").startswith(block))
     return reached
 
 
@@ -77,7 +86,8 @@ def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False) -> lis
     hashed = _hash_routed(gm)
     names: dict = {}  # module path (or None) -> (report name, hash routed)
     for n in gm.graph.nodes:
-        if op_name(n) == "grouped_mm" and (n in hashed or not hash_routed_only):
+        # batched_mm's experts are bmm's of gathered weights: counted where a table lookup feeds them
+        if (op_name(n) == "grouped_mm" or op_name(n) == "bmm" and n in hashed) and (n in hashed or not hash_routed_only):
             path = module_path(n)
             name, hashed_before = names.get(path, (path or f"expert GEMM at {_where(n)}", True))
             names[path] = (name, hashed_before and n in hashed)

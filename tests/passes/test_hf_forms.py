@@ -242,6 +242,26 @@ def test_deepseek_v4_block_fused(dtype):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_deepseek_v4_hash_routed_block_reported(impl):
+    """A hash-routed DeepSeek-V4 block compiled alone (its ids looked up by token id, no top-k): reported as hash
+    routing, in either experts form, and left as it was."""
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+    config = make_config("deepseek_v4", num_layers=3, mlp_layer_types=["hash_moe", "moe", "moe"])
+    config._experts_implementation = impl
+    block = init_moe_weights_(modeling.DeepseekV4SparseMoeBlock(config, layer_idx=0)).eval()
+    with torch.no_grad():
+        block.gate.tid2eid.copy_(torch.randint(0, 8, (128, 2)))
+    x, ids = torch.randn(2, 5, 64), torch.randint(0, 128, (2, 5))
+    (graph,), eager = capture(block, x, ids)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [(b.fused, b.form, b.name) for b in report.blocks] == [(False, "hash_routing", "experts")], str(report)
+    assert count_fused(gm) == 0
+    assert torch.equal(_output(run(gm, example)), eager)
+
+
 def test_deepseek_v4_hash_routed_layers_reported():
     """A DeepSeek-V4 model whose first layer routes by a token-id table (hash routing, no top-k): its experts are
     reported, not fused, and the learned-router layers in the same graph are fused."""
