@@ -65,8 +65,9 @@ def _const(node: fx.Node):
 
 
 def _clamp_limit(between) -> float:
-    """L of a clamped SwiGLU's two clamps, ``g.clamp(max=L)`` and ``u.clamp(min=-L, max=L)`` (which clamps which is
-    checked by the probe, which runs the op against the graph)."""
+    """L of a clamped SwiGLU's two clamps, ``g.clamp(max=L)`` and ``u.clamp(min=-L, max=L)``. Which clamp bounds which
+    is checked by the probe for GPT-OSS's (its limit 7 is within the probe's activations), by structure for
+    DeepSeek-V4's (`_check_clamped_swiglu`)."""
     clamps = [n for n in between if op_name(n) == "clamp"]
     if any(isinstance(a, fx.Node) for c in clamps for a in (arg(c, 1, "min"), arg(c, 2, "max"))):
         raise NoMatch("the clamp limit of the clamped SwiGLU is a runtime value (Dynamo traced the float "

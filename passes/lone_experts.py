@@ -13,7 +13,7 @@ log say why nothing was fused instead of saying nothing.
 
 Hash routing has no top-k either: DeepSeek-V4's first layers look their experts up in a table by token id,
 
-    table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...   (or W[ids] ─ bmm: batched_mm)
+    table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...  (batched_mm: W[ids] ─ bmm)
 
 and the op chooses its experts from router scores. Experts fed by such a lookup are reported as form
 "hash_routing".
@@ -86,8 +86,9 @@ def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False) -> lis
     hashed = _hash_routed(gm)
     names: dict = {}  # module path (or None) -> (report name, hash routed)
     for n in gm.graph.nodes:
-        # batched_mm's experts are bmm's of gathered weights: counted where a table lookup feeds them
-        if (op_name(n) == "grouped_mm" or op_name(n) == "bmm" and n in hashed) and (n in hashed or not hash_routed_only):
+        name = op_name(n)
+        # batched_mm's experts are bmm's of gathered weights: counted only where a table lookup feeds them
+        if n in hashed and name in ("grouped_mm", "bmm") or name == "grouped_mm" and not hash_routed_only:
             path = module_path(n)
             name, hashed_before = names.get(path, (path or f"expert GEMM at {_where(n)}", True))
             names[path] = (name, hashed_before and n in hashed)

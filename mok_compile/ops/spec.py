@@ -29,8 +29,8 @@ Routing families (see shared/moe-semantics.md):
 
 A selection bias (the op's ``selection_bias`` argument) is added to the values
 the top-k ranks (A: the probabilities, B and D: the logits, C: the sigmoid
-scores, E: the sqrt-softplus scores) and only chooses: the weights are the unbiased values at the chosen
-experts.
+scores, E: the sqrt-softplus scores) and only chooses: the weights are the
+unbiased values at the chosen experts.
 """
 
 from __future__ import annotations
@@ -53,16 +53,18 @@ class RoutingSpec:
         than the ``[E, H]`` router weight.
     router_fp32: logits are ``linear(x.float(), W.float())`` (DeepSeek-V3 keeps
         its router in fp32); otherwise they are computed in the input dtype.
-    softmax_fp32: softmax (A, B) / sigmoid (C, D) / sqrt-softplus (E) runs on fp32 logits; otherwise in
-        the logits' dtype (GPT-OSS does its softmax in bf16, LFM2-MoE its sigmoid).
+    softmax_fp32: softmax (A, B) / sigmoid (C, D) / sqrt-softplus (E) runs on fp32
+        logits; otherwise in the logits' dtype (GPT-OSS does its softmax in bf16,
+        LFM2-MoE its sigmoid, DeepSeek-V4 its sqrt-softplus).
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
     n_group, topk_group, group_top: group-limited selection (``softmax_topk``,
-        ``sigmoid_grouped_topk`` and ``sqrtsoftplus_topk``): the experts form ``n_group`` equal groups, a group's
-        score is the sum of its ``group_top`` largest selection values, and only the
-        ``topk_group`` best groups' experts can be chosen.
+        ``sigmoid_grouped_topk`` and ``sqrtsoftplus_topk``): the experts form
+        ``n_group`` equal groups, a group's score is the sum of its ``group_top``
+        largest selection values, and only the ``topk_group`` best groups' experts
+        can be chosen.
     renorm_min: the renormalisation's denominator is at least this, i.e.
         ``w / (clamp(sum(w), min=renorm_min) + renorm_eps)`` (Ernie 4.5: 1e-12).
     weight_on_input: the routing weight scales the expert's *input* instead of
@@ -117,8 +119,8 @@ class ExpertSpec:
     activation: for gated experts ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or
         ``clamped_silu`` (GPT-OSS: ``(clamp(u,-limit,limit)+1) * g*sigmoid(alpha*g)``
         with ``g = min(g, limit)``) or ``clamped_swiglu`` (DeepSeek-V4:
-        ``silu(min(g, limit)) * clamp(u, -limit, limit)``); for ungated ones ``relu2``, ``relu``,
-        ``silu``, ``gelu`` or ``gelu_tanh``.
+        ``silu(min(g, limit)) * clamp(u, -limit, limit)``); for ungated ones
+        ``relu2``, ``relu``, ``silu``, ``gelu`` or ``gelu_tanh``.
     """
 
     activation: str = "silu"
