@@ -157,7 +157,10 @@ def topk_k(node: fx.Node) -> int | None:
 
 
 def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
-    """Do the indices select experts (rather than, e.g., sample tokens)? Stops at the next topk."""
+    """Do the indices select experts (rather than, e.g., sample tokens)? Stops at the next topk, and past a matmul:
+    experts are found at the first matmul the ids reach (its weights chosen by them, or its rows grouped by them),
+    and what a matmul computes from them is no longer the choice (a sparse attention's top-k, as DeepSeek-V4's
+    indexer, picks keys whose attention output reaches the next layer's experts)."""
     seen, work = set(), [ids]
     while work:
         n = work.pop()
@@ -179,6 +182,8 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
             base = tensor_meta(n.args[0])
             if base is not None and base.dim() == 3:
                 return True
+        if name in MATMUL_OPS:
+            continue
         work.extend(flow.readers(n))
     return False
 
@@ -304,16 +309,19 @@ _AFTER_THE_COMBINE = frozenset({"pow", "square", "clamp", "clamp_min", "neg", "r
                                 "sigmoid", "softmax", "div", "sub"})
 
 
-def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], routing_side: set):
-    """Raise NoMatch if `out` is not where the block ends: it applies an op after the experts' sum, or a value the
-    experts computed, other than `out`, is read outside the region; an earlier candidate is then the output. (In an
-    fp32 post-norm model the norm's no-op ``out.to(float32)`` and its ``.pow(2)`` pass every other test.) Routing
-    values (the logits, weights and ids: `routing_side`, what the top-k reads) may be read outside; shape queries of
-    expert values too."""
+def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], routing_side: set,
+                  root: fx.Node):
+    """Raise NoMatch if `out` is not where the block ends: it applies an op after the experts' sum, adds the block's
+    input to it (a residual, ``h + moe(h)``), or a value the experts computed, other than `out`, is read outside the
+    region; an earlier candidate is then the output. (In an fp32 post-norm model the norm's no-op
+    ``out.to(float32)`` and its ``.pow(2)`` pass every other test.) Routing values (the logits, weights and ids:
+    `routing_side`, what the top-k reads) may be read outside; shape queries of expert values too."""
     tail = strip(out, LAYOUT_OPS)
     last = op_name(tail)
     if last in _AFTER_THE_COMBINE:
         raise NoMatch(f"the candidate output {out.name} applies {last!r} after the experts' sum")
+    if last == "add" and any(strip(a, LAYOUT_OPS) is root for a in tail.args):
+        raise NoMatch(f"the candidate output {out.name} adds the block's input to the experts' sum (a residual)")
     if last == "mul" and any(number(a) is not None for a in tail.args):
         # a product with a number never combines (the combine multiplies two tensors): OpenAI privacy filter's
         # `experts(x) * top_k` lies past the block
@@ -392,7 +400,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
             continue
         try:
             routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
-            _check_closed(flow, out, nodes, inputs, routing_side)
+            _check_closed(flow, out, nodes, inputs, routing_side, root)
         except NoMatch as err:
             reasons.append(str(err))
             continue

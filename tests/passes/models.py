@@ -466,6 +466,25 @@ class SentinelMaskMoE(nn.Module):
         return back.view(T, self.top_k, H).sum(dim=1)
 
 
+class TopKAttentionThenMoE(nn.Module):
+    """A sparse attention whose top-k picks each query's keys (as DeepSeek-V4's indexer does), its output then
+    through a grouped-matmul MoE: the attention's indices reach the MoE's expert GEMMs only through activations, so
+    only the MoE's top-k is a block."""
+
+    def __init__(self, hidden=32, keys=4):
+        super().__init__()
+        self.keys = keys
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.moe = SentinelMaskMoE(hidden, matmul="grouped")
+
+    def forward(self, x):  # x: [T, H]
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        ids = (q @ k.t()).topk(self.keys, dim=-1).indices  # [T, keys]
+        att = torch.softmax((k[ids] @ q.unsqueeze(-1)).squeeze(-1), dim=-1)
+        h = x + self.o((att.unsqueeze(-1) * v[ids]).sum(dim=1))
+        return h + self.moe(h)
+
+
 class ActivationMaskMoE(SentinelMaskMoE):
     """Near miss: the rows are dropped by a threshold on the activations, not by their expert id."""
 

@@ -1,5 +1,7 @@
 """fuse_moe on from-scratch MoE modules (loops over nn.ModuleList, stacked weights + bmm) and near misses."""
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -284,6 +286,37 @@ def test_not_an_moe(module, shape):
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(module, torch.randn(shape))
     _assert_untouched(gm, example, report, eager, candidates=0)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h):
+        return h + self.block(h)
+
+
+def test_residual_sum_stays_outside_the_block():
+    """``h + moe(h)``: the sum with the block's own input has its shape and depends on nothing else, but the op
+    computes the experts' sum only; the block ends before the residual (before, the probe rejected the block)."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(_Residual(models.StackedGatherMoE()), torch.randn(10, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    h = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert any(n.target is operator.add and h in n.args for n in gm.graph.nodes), gm.code  # the residual, outside
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_sparse_attention_top_k_before_an_moe_is_not_a_block():
+    """The attention's top-k indices reach the MoE's grouped GEMMs through the attention's matmuls and the residual:
+    not an expert choice. The MoE is fused, nothing else is reported."""
+    torch.manual_seed(0)  # bf16: torch._grouped_mm's only dtype here
+    module = models.TopKAttentionThenMoE().to(torch.bfloat16)
+    gm, example, report, eager = _fuse(module, torch.randn(12, 32, dtype=torch.bfloat16))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert sum(1 for n in gm.graph.nodes if "topk" in str(n.target)) == 1  # the attention's, left in place
+    torch.testing.assert_close(run(gm, example)[0], eager, atol=2e-2, rtol=2e-2)
 
 
 def test_tanh_experts_not_fused():
