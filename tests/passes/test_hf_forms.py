@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 from mok_compile.hf_blocks import FAMILIES, init_moe_weights_, make_block, make_config, routed_parts
 from mok_compile.passes import fuse_moe
+from mok_compile.passes.op_names import module_path
 
 from .helpers import capture, count_fused, ops_in, run
 
@@ -281,6 +282,26 @@ def test_deepseek_v4_hash_routed_layers_reported():
     hashed = report.blocks[2]
     assert (hashed.name, hashed.form) == ("model.layers.0.mlp.experts", "hash_routing")
     assert "looked up in a table by token id" in hashed.reason
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
+
+
+def test_deepseek_v4_sparse_attention_top_k_is_not_a_block():
+    """DeepSeek-V4's compressed-sparse-attention layers take a top-k of compressed keys (the indexer) before each MoE
+    layer: both MoE layers fused, the indexer's top-k neither fused nor reported."""
+    pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from transformers import AutoModelForCausalLM
+
+    config = make_config("deepseek_v4", num_layers=2, index_topk=4, sliding_window=8,
+                         layer_types=["compressed_sparse_attention"] * 2)
+    config._experts_implementation = "grouped_mm"
+    model = init_moe_weights_(AutoModelForCausalLM.from_config(config)).eval()
+    ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(0))
+    (graph,), eager = capture(model, ids, use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True, True] and count_fused(gm) == 2, str(report)
+    indexer_topks = [n for n in gm.graph.nodes if "topk" in str(n.target) and "indexer" in (module_path(n) or "")]
+    assert len(indexer_topks) == 2
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
 
 
