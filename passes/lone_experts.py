@@ -84,13 +84,13 @@ def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False) -> lis
     from .fuse_moe import BlockReport
 
     hashed = _hash_routed(gm)
-    names: dict = {}  # module path (or None) -> (report name, hash routed)
+    modules: dict = {}  # module path (or None) -> (report name, every GEMM of it hash routed)
     for n in gm.graph.nodes:
-        name = op_name(n)
+        op = op_name(n)
         # batched_mm's experts are bmm's of gathered weights: counted only where a table lookup feeds them
-        if n in hashed and name in ("grouped_mm", "bmm") or name == "grouped_mm" and not hash_routed_only:
+        if n in hashed and op in ("grouped_mm", "bmm") or op == "grouped_mm" and not hash_routed_only:
             path = module_path(n)
-            name, hashed_before = names.get(path, (path or f"expert GEMM at {_where(n)}", True))
-            names[path] = (name, hashed_before and n in hashed)
-    return [BlockReport(name=name, fused=False, form=HASH_FORM if hashed else FORM,
-                        reason=HASH_REASON if hashed else REASON) for name, hashed in names.values()]
+            name, all_hashed = modules.get(path, (path or f"expert GEMM at {_where(n)}", True))
+            modules[path] = (name, all_hashed and n in hashed)
+    return [BlockReport(name=name, fused=False, form=HASH_FORM if all_hashed else FORM,
+                        reason=HASH_REASON if all_hashed else REASON) for name, all_hashed in modules.values()]

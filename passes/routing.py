@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from mok_compile.ops.spec import RoutingSpec
+from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
 from .op_names import CAST_OPS, VIEW_OPS, arg, number, op_name, tensor_meta
 from .region import NoMatch, Region, getitem_users, router_weight, strip, topk_k
@@ -162,7 +162,7 @@ def match_router(region: Region) -> RouterMatch:
             raise NoMatch(f"router op {name!r} is not supported")
     n_group, topk_group, group_top = 1, 1, 2
     if masked is not None:
-        if routing not in ("sigmoid_grouped_topk", "softmax_topk", "sqrtsoftplus_topk"):
+        if routing not in GROUPED_ROUTINGS:
             raise NoMatch("group-limited selection is only supported over softmax, sigmoid or sqrt-softplus scores")
         n_group, topk_group, group_top = _group_limit(region, masked, E, nonnegative=selection_bias is None)
 
@@ -264,7 +264,7 @@ def _gathered_scores(region: Region, scores: fx.Node, routing: str | None) -> fx
     source = None
     if len(gathers) == 1:
         g = gathers[0]
-        source = strip(g.args[0], CAST_OPS) if routing in ("sigmoid_grouped_topk", "sqrtsoftplus_topk") else g.args[0]
+        source = strip(g.args[0], CAST_OPS) if routing in SCORE_ROUTINGS else g.args[0]
         if arg(g, 1, "dim") not in (1, -1) or arg(g, 2, "index") is not region.ids:
             source = None
     if source is not scores:

@@ -28,7 +28,7 @@ import os
 import torch
 
 from . import reference
-from .spec import ROUTINGS, ExpertSpec, with_defaults
+from .spec import GROUPED_ROUTINGS, ROUTINGS, ExpertSpec, with_defaults
 
 _SCALARS = (
     "int top_k, str routing='softmax_topk', bool router_is_logits=False, bool router_fp32=False, "
@@ -89,7 +89,6 @@ lib.define(FUSED_MOE_TRAIN_SCHEMA)
 lib.define(FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_GROUPED_ROUTINGS = ("softmax_topk", "sigmoid_grouped_topk", "sqrtsoftplus_topk")
 
 
 def _fail(msg: str):
@@ -172,8 +171,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
             _fail(f"selection_bias has unsupported dtype {selection_bias.dtype}")
     if not 0.0 <= kw["renorm_min"] < float("inf"):
         _fail(f"renorm_min must be a finite number >= 0, got {kw['renorm_min']}")
-    if n_group != 1 and routing not in _GROUPED_ROUTINGS:
-        _fail(f"n_group={n_group} (group-limited routing) is only supported with routing in {_GROUPED_ROUTINGS}")
+    if n_group != 1 and routing not in GROUPED_ROUTINGS:
+        _fail(f"n_group={n_group} (group-limited routing) is only supported with routing in {GROUPED_ROUTINGS}")
     if kw["group_top"] not in (1, 2):
         _fail(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {kw['group_top']}")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),

@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .spec import SCORE_ROUTINGS
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32, or fp64 for fp64 inputs: HF's `.float()` upcasts, but must not round an fp64 run to fp32."""
@@ -110,7 +112,7 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
-    if routing in ("sigmoid_grouped_topk", "sqrtsoftplus_topk"):
+    if routing in SCORE_ROUTINGS:
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         top = scores.gather(1, ids)
     else:

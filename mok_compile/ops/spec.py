@@ -40,6 +40,10 @@ import functools
 from dataclasses import dataclass
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk")
+# C and E: per-expert scores, an unsorted top-k of them (plus any selection bias), the scores gathered at its ids.
+SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
+# The routings that take group-limited selection (n_group > 1).
+GROUPED_ROUTINGS = ("softmax_topk", *SCORE_ROUTINGS)
 GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
 
