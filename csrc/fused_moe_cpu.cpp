@@ -115,9 +115,10 @@ Tensor renorm_denominator(const Tensor& total, const MoeOptions& o) {
   return denom;
 }
 
-// (topk_weights, topk_ids) with HF's precision behaviour (reference.route).
-std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selection_bias, at::ScalarType x_dtype,
-                                 const MoeOptions& o) {
+// (topk_weights, topk_ids) with HF's precision behaviour (reference.route). `expert_ids`: the ids, given
+// (hash routing); the weights are the scores there.
+std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selection_bias, const OptTensor& expert_ids,
+                                 at::ScalarType x_dtype, const MoeOptions& o) {
   // The values the top-k ranks are `scores` plus the selection bias, which only chooses: the weights start
   // from the unbiased scores at the chosen experts.
   Tensor scores;
@@ -137,7 +138,13 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
   if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group, o.group_top);
   Tensor top, ids;
-  if (o.routing == "sigmoid_grouped_topk" || o.routing == "sqrtsoftplus_topk") {
+  if (expert_ids.has_value()) {
+    ids = expert_ids->to(at::kLong);
+    const int64_t E = logits.size(1);
+    TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < E),
+                "mok_cpu.fused_moe: expert_ids holds ids outside [0, ", E, ")");
+    top = scores.gather(1, ids);
+  } else if (o.routing == "sigmoid_grouped_topk" || o.routing == "sqrtsoftplus_topk") {
     ids = std::get<1>(at::topk(choice, o.top_k, -1, /*largest=*/true, /*sorted=*/false));
     top = scores.gather(1, ids);
   } else {
@@ -181,18 +188,19 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
     Tensor w1 = w0 / denom;
     d = (d - total.ge(o.renorm_min) * sum_last(d * w1)) / denom;
   }
+  // Scattered with adds: given ids may name an expert twice in a row, and both slots count.
   if (o.routing == "softmax_topk") {
-    Tensor dp = at::zeros_like(l).scatter_(1, ids, d);
+    Tensor dp = at::zeros_like(l).scatter_add_(1, ids, d);
     return base * (dp - sum_last(base * dp));
   }
   if (o.routing == "topk_softmax") {
     Tensor dtop = w0 * (d - sum_last(w0 * d));
-    return at::zeros_like(l).scatter_(1, ids, dtop);
+    return at::zeros_like(l).scatter_add_(1, ids, dtop);
   }
   if (o.routing == "topk_sigmoid") {  // d logits[t, ids] = d w0 * w0 * (1 - w0)
-    return at::zeros_like(l).scatter_(1, ids, d * w0 * (1 - w0));
+    return at::zeros_like(l).scatter_add_(1, ids, d * w0 * (1 - w0));
   }
-  Tensor ds = at::zeros_like(l).scatter_(1, ids, d);
+  Tensor ds = at::zeros_like(l).scatter_add_(1, ids, d);
   if (o.routing == "sqrtsoftplus_topk") {  // d sqrt(softplus(l)) = sigmoid(l) / (2 s); 0 where s underflowed to 0
     return at::where(base > 0, ds * at::sigmoid(l) / (2 * base), at::zeros_like(l));
   }
@@ -520,7 +528,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
-      double renorm_min, int64_t group_top
+      double renorm_min, int64_t group_top, const OptTensor &expert_ids
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
@@ -530,7 +538,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bo
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
-  auto [w, ids] = route(logits, selection_bias, x.scalar_type(), o);
+  auto [w, ids] = route(logits, selection_bias, expert_ids, x.scalar_type(), o);
   Tensor h;
   Tensor out = experts_forward(x, w, ids, gate_up_proj.contiguous(), gate_up_bias, down_proj.contiguous(),
                                down_bias, o, save_h ? &h : nullptr);
@@ -542,7 +550,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
                                        gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
                                        router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
                                        topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, renorm_min, group_top, /*save_h=*/false);
+                                       limit, weight_on_input, renorm_min, group_top, expert_ids, /*save_h=*/false);
   return {out, w, ids};
 }
 
@@ -550,7 +558,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS)
   return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
                       renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, /*save_h=*/true);
+                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, expert_ids, /*save_h=*/true);
 }
 
 // ----------------------------------------------------------------------------- backward
@@ -709,7 +717,7 @@ BackwardResult fused_moe_backward(
 }  // namespace
 
 // Same arguments as mok::fused_moe (library.py), all passed explicitly (no defaults:
-// the Python wrapper completes them with spec.with_defaults).
+// the Python wrapper completes them with spec.with_defaults) but the forwards' expert_ids (given only).
 #define MOK_CPU_SCALARS                                                                                          \
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
@@ -721,9 +729,9 @@ BackwardResult fused_moe_backward(
 
 TORCH_LIBRARY(mok_cpu, m) {
   m.def("fused_moe(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
-        ") -> (Tensor, Tensor, Tensor)");
+        ", Tensor? expert_ids=None) -> (Tensor, Tensor, Tensor)");
   m.def("fused_moe_train(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
-        ") -> (Tensor, Tensor, Tensor, Tensor)");
+        ", Tensor? expert_ids=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, " MOK_CPU_WEIGHTS
         ", Tensor topk_weights, Tensor topk_ids, *, " MOK_CPU_SCALARS
         ", Tensor? gate_up_out) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

@@ -155,6 +155,8 @@ def describe_block(b) -> str:
             extras.append(f"scale={r.routed_scale:g}")
         if r.n_group > 1:
             extras.append(f"groups={r.topk_group}/{r.n_group}")
+        if b.given_ids:
+            extras.append("ids_given")
         parts.append(routing + (f"({', '.join(extras)})" if extras else ""))
     if b.experts is not None:
         e = b.experts

@@ -301,7 +301,7 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
 
 def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> ExpertsMatch:
     """Experts of the region: stacked 3-D weights, or per-expert weights of a module loop."""
-    known = router.input_nodes()
+    known = router.input_nodes() | ({region.ids} if region.given_ids else set())
     tensors = [n for n in region.inputs if n not in known and tensor_meta(n) is not None]
     weights3d = [n for n in tensors if tensor_meta(n).dim() == 3]
     if weights3d:

@@ -1,6 +1,7 @@
 """The detection + rewrite pass: every provable MoE block becomes one `torch.ops.mok.fused_moe`.
 
-For each top-k that dispatches to experts (`region.selection_topks`):
+For each top-k that dispatches to experts, and each set of expert ids looked up by token id
+(hash routing) (`region.block_anchors`):
 find the block's nodes (`region`), read its routing (`routing`) and expert
 math (`experts`, `loop_experts`), decide which values survive (`rewrite.plan_rewrite`),
 prove the op computes the same thing on random inputs (`validate`), then
@@ -27,7 +28,7 @@ from . import eager_fragments, lone_experts
 from .dataflow import Dataflow
 from .experts import ExpertsMatch, Stack, match_experts, region_form
 from .op_names import module_path, tensor_meta
-from .region import NoMatch, Region, find_region, selection_topks
+from .region import NoMatch, Region, block_anchors, find_region
 from .rewrite import emit, plan_rewrite
 from .routing import Flat, RouterMatch, match_router
 from .sharded import sharded_reason, sharding_evidence
@@ -56,6 +57,7 @@ class BlockReport:
     routing: RoutingSpec | None = None
     experts: ExpertSpec | None = None
     dtype: torch.dtype | None = None
+    given_ids: bool = False  # the expert ids come from outside the block (hash routing): the op's expert_ids
 
 
 @dataclass
@@ -82,7 +84,7 @@ def block_name(region: Region) -> str:
     """Module path common to the block's nodes (from nn_module_stack), e.g. "model.layers.0.mlp"."""
     paths = [p.split(".") for n in region.nodes if (p := module_path(n)) is not None]
     if not paths:
-        return region.topk.name
+        return region.anchor.name
     common = []
     for parts in zip(*paths):
         if any(p != parts[0] for p in parts):
@@ -148,7 +150,7 @@ def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport, probe_cache:
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
     report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
-    report.form = region_form(region)
+    report.form, report.given_ids = region_form(region), region.given_ids
     router = match_router(region)
     report.routing = router.spec
     experts = match_experts(flow, region, router)
@@ -165,15 +167,16 @@ def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport, probe_cache:
     report.routing = routing
     operands = [region.x, router_arg, router_bias, router.selection_bias, experts.gate_up, experts.gate_up_bias,
                 experts.down, experts.down_bias]
+    given = {"expert_ids": region.ids} if region.given_ids else {}
     chosen, failures = None, []
     if not validate:
         if len(experts.specs) != 1:
             raise NoMatch(f"{len(experts.specs)} expert layouts fit the weight shapes; enable validate to choose")
         chosen = experts.specs[0]
     else:
-        roles = _roles(router, experts)
+        roles = {**_roles(router, experts), **({region.ids: "expert_ids"} if given else {})}
         for spec in experts.specs:
-            kw = {**op_kwargs(routing, spec), "_intermediate": experts.intermediate}
+            kw = {**op_kwargs(routing, spec), **given, "_intermediate": experts.intermediate}
             why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache)
             if why is None:
                 chosen = spec
@@ -182,7 +185,7 @@ def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport, probe_cache:
         if chosen is None:
             raise NoMatch(failures[0])
     report.experts = chosen
-    emit(gm, flow, region, plan, operands, _minimal_kwargs(routing, chosen))
+    emit(gm, flow, region, plan, operands, {**_minimal_kwargs(routing, chosen), **given})
     report.fused, report.reason = True, ""
 
 
@@ -199,7 +202,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
     probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
-    anchors = selection_topks(gm, Dataflow(gm.graph))
+    anchors = block_anchors(gm, Dataflow(gm.graph))
     for topk, ids in anchors:
         if getattr(topk, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
@@ -214,7 +217,8 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
                 block.reason = sharded_reason(evidence, block.reason)
         report.blocks.append(block)
     report.blocks.extend(eager_fragments.find_eager_fragments(gm))
-    report.blocks.extend(lone_experts.find_lone_experts(gm, hash_routed_only=bool(anchors)))
+    report.blocks.extend(lone_experts.find_lone_experts(gm, hash_routed_only=bool(anchors),
+                                                        anchored={ids for _, ids in anchors}))
     for block in report.blocks:
         if block.fused:
             counters["mok"]["fused_moe"] += 1

@@ -15,8 +15,9 @@ Hash routing has no top-k either: DeepSeek-V4's first layers look their experts 
 
     table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...  (batched_mm: W[ids] ─ bmm)
 
-and the op chooses its experts from router scores. Experts fed by such a lookup are reported as form
-"hash_routing".
+Where the ids also pick the router's scores (``scores.gather(1, ids)``), the block is anchored there and fused
+with the ids as the op's `expert_ids` (`region.block_anchors`); experts fed by any other lookup are reported as
+form "hash_routing".
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import re
 
 import torch.fx as fx
 
-from .op_names import module_path, op_name, tensor_meta
+from .op_names import module_path, op_name
+from .region import is_table_lookup, looked_up_ids
 
 FORM = "experts_alone"
 REASON = ("expert GEMMs (grouped_mm) without a router in this graph: a graph break between the routing and the "
@@ -34,7 +36,8 @@ REASON = ("expert GEMMs (grouped_mm) without a router in this graph: a graph bre
           "the op fuses a router with its experts")
 HASH_FORM = "hash_routing"
 HASH_REASON = ("expert ids are looked up in a table by token id (hash routing, as in DeepSeek-V4's first layers), "
-               "not chosen by a top-k of router scores; the op chooses its experts from the scores")
+               "and no router's scores are gathered at them in this graph: the op takes given ids with the router "
+               "that weights them")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -48,24 +51,16 @@ def _where(node: fx.Node) -> str:
     return f"{os.path.basename(path)}:{line}"
 
 
-def _is_table_lookup(node: fx.Node) -> bool:
-    """``table[idx]``: a 2-D integer tensor indexed by an integer tensor (token ids)."""
-    if op_name(node) != "getitem" or not isinstance(node.args[1], fx.Node):
-        return False
-    table, idx = tensor_meta(node.args[0]), tensor_meta(node.args[1])
-    return (table is not None and idx is not None and table.dim() == 2 and not table.is_floating_point()
-            and not idx.is_floating_point())
-
-
-def _hash_routed(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes of the MoE block of a table lookup of ids (`_is_table_lookup`) that depend on it: the lookup's
+def _hash_routed(gm: fx.GraphModule, anchored) -> set[fx.Node]:
+    """The nodes of the MoE block of a table lookup of ids (`region.is_table_lookup`) that depend on it, but for the
+    lookups that anchor a block (their ids in `anchored`: `fuse_moe` fused or reported it): the lookup's
     module's siblings (the router "...mlp.gate" looks up, the experts "...mlp.experts" use the ids), or the whole
     graph where the block is the compiled module. Everything after the block depends on it too, later layers'
     experts included: the module path keeps to the block. Without module paths nothing is classed hash routed."""
     reached = set()
-    for lookup in (n for n in gm.graph.nodes if _is_table_lookup(n)):
+    for lookup in (n for n in gm.graph.nodes if is_table_lookup(n)):
         path = module_path(lookup)
-        if path is None:
+        if path is None or looked_up_ids(lookup) in anchored:
             continue
         block = path.rsplit(".", 1)[0] + "." if "." in path else ""  # "": the block is the compiled module
         todo = [lookup]
@@ -77,13 +72,14 @@ def _hash_routed(gm: fx.GraphModule) -> set[fx.Node]:
     return reached
 
 
-def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False) -> list:
-    """BlockReports for the `grouped_mm` nodes of `gm` (a graph with no routing top-k, or with `hash_routed_only`
-    those fed by a table lookup, in a graph whose top-k blocks are reported already): one per module that holds
-    them, named by its path, and one for those without a module path (named by where the first is)."""
+def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False, anchored=frozenset()) -> list:
+    """BlockReports for the `grouped_mm` nodes of `gm` (a graph with no block anchor, or with `hash_routed_only`
+    those fed by a table lookup whose ids anchor no block (`anchored`: the ids of the graph's anchors), in a graph
+    whose anchored blocks are reported already): one per module that holds them, named by its path, and one for
+    those without a module path (named by where the first is)."""
     from .fuse_moe import BlockReport
 
-    hashed = _hash_routed(gm)
+    hashed = _hash_routed(gm, anchored)
     modules: dict = {}  # module path (or None) -> (report name, every GEMM of it hash routed)
     for n in gm.graph.nodes:
         op = op_name(n)

@@ -11,6 +11,14 @@
 Llama4's dense form (every expert runs on the input scaled by a -inf-scattered sigmoid score, outputs summed
 over the expert dimension) has the same anchor and region; `routing` and `experts` recognise it.
 
+Hash routing (DeepSeek-V4's first layers) has no top-k: the ids are looked up by token id and the router's
+scores gathered at them,
+
+    table [vocab, K] ─ [input_ids] ─(long)─> ids ──────────────────┐ (an input of the block: the op's expert_ids)
+    logits ─ sqrt(softplus) | softmax | sigmoid | - ─> gather(1, ids) ─> w0 ─> ... (as above)
+
+and the anchor is that gather.
+
 The anchor is a ``topk`` whose indices dispatch to experts: within the nodes
 reading them (not walking through a later ``topk``) there is a grouped matmul,
 an index of a 3-D tensor, a ``one_hot`` or an ``ids == e`` comparison. The
@@ -96,8 +104,8 @@ _FACTORIES = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones_like
 
 @dataclass
 class Region:
-    topk: fx.Node
-    ids: fx.Node                     # topk indices [T, K]
+    anchor: fx.Node                  # the selection topk, or with `given_ids` the gather of router scores at the ids
+    ids: fx.Node                     # topk indices [T, K], or the given ids (an input of the block)
     logits: fx.Node                  # router logits [T, E]
     router_linear: fx.Node           # the linear producing the logits
     x: fx.Node                       # hidden states [T, H] in the experts' dtype (router input minus casts)
@@ -110,6 +118,11 @@ class Region:
     H: int = 0
     E: int = 0
     K: int = 0
+    given_ids: bool = False          # ids looked up by token id (hash routing), not chosen by a top-k
+
+    @property
+    def topk(self) -> fx.Node | None:
+        return None if self.given_ids else self.anchor
 
 
 def same(a, b) -> bool:
@@ -188,16 +201,51 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
     return False
 
 
-def selection_topks(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.Node]]:
-    """(topk, ids) pairs whose indices dispatch to experts, in graph order."""
+def is_table_lookup(node: fx.Node) -> bool:
+    """``table[idx]``: a 2-D integer tensor indexed by an integer tensor (token ids)."""
+    if op_name(node) != "getitem" or not isinstance(node.args[1], fx.Node):
+        return False
+    table, idx = tensor_meta(node.args[0]), tensor_meta(node.args[1])
+    return (table is not None and idx is not None and table.dim() == 2 and not table.is_floating_point()
+            and not idx.is_floating_point())
+
+
+_ID_CASTS = frozenset({"long", "int", "to"})
+
+
+def looked_up_ids(lookup: fx.Node) -> fx.Node:
+    """The ids of a table lookup (`is_table_lookup`): the lookup past the integer casts that alone read it."""
+    ids = lookup
+    while (len(ids.users) == 1 and op_name(nxt := next(iter(ids.users))) in _ID_CASTS
+           and (m := tensor_meta(nxt)) is not None and not m.is_floating_point()):
+        ids = nxt
+    return ids
+
+
+def _given_ids_anchor(flow: Dataflow, lookup: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(gather, ids) for hash routing: ids looked up by token id (`looked_up_ids`), read by one ``gather`` along the
+    experts (the router's scores at the given ids: the routing weights) and dispatching to experts; None otherwise
+    (`lone_experts` reports such ids)."""
+    ids = looked_up_ids(lookup)
+    meta = tensor_meta(ids)
+    gathers = [u for u in ids.users if op_name(u) == "gather" and arg(u, 2, "index") is ids]
+    if meta is None or meta.dim() != 2 or not isinstance(meta.shape[1], int) or len(gathers) != 1:
+        return None
+    return (gathers[0], ids) if dispatch_evidence(flow, ids) else None
+
+
+def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.Node]]:
+    """(anchor, ids) of each candidate block, in graph order: a topk whose indices dispatch to experts, with them;
+    or ids looked up by token id (hash routing) that dispatch, with the gather of router scores at them."""
     found = []
     for n in gm.graph.nodes:
-        if op_name(n) != "topk":
-            continue
-        ids = getitem_users(n, 1)
-        if len(ids) == 1 and dispatch_evidence(flow, ids[0]):
-            found.append((n, ids[0]))
-    return found
+        if op_name(n) == "topk":
+            ids = getitem_users(n, 1)
+            if len(ids) == 1 and dispatch_evidence(flow, ids[0]):
+                found.append((n, ids[0]))
+        elif is_table_lookup(n) and (given := _given_ids_anchor(flow, n)) is not None:
+            found.append(given)
+    return sorted(found, key=lambda pair: flow.order[pair[0]])
 
 
 # ----------------------------------------------------------------------------- router
@@ -220,9 +268,10 @@ def router_weight(router_linear: fx.Node):
     return strip(w, CAST_OPS)
 
 
-def find_router(topk: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(router linear, logits) behind a topk: walk back through score ops to a linear (or an fp32-out mm)."""
-    n = topk.args[0]
+def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(router linear, logits) behind a topk (or a gather of scores at given ids): walk back through score ops to a
+    linear (or an fp32-out mm)."""
+    n = anchor.args[0]
     while isinstance(n, fx.Node):
         name = op_name(n)
         if name == "linear" or _fp32_router_mm(n):
@@ -231,7 +280,8 @@ def find_router(topk: fx.Node) -> tuple[fx.Node, fx.Node]:
             n = n.args[0]
             continue
         break
-    raise NoMatch(f"router logits do not come from a linear layer in this graph (found {n!s} before the top-k)")
+    where = "the top-k" if op_name(anchor) == "topk" else "the gather at the given ids"
+    raise NoMatch(f"router logits do not come from a linear layer in this graph (found {n!s} before {where})")
 
 
 # ----------------------------------------------------------------------------- region
@@ -367,14 +417,16 @@ def _close_over_writes(flow: Dataflow, sliced: set[fx.Node], out: fx.Node, stop,
     return sliced
 
 
-def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node, anchors=None) -> Region:
-    """The MoE block around one selection topk, or NoMatch with the reason.
+def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Node, anchors=None) -> Region:
+    """The MoE block around one anchor (`block_anchors`), or NoMatch with the reason. Given ids (the anchor a
+    gather) are an input of the block, as its weights are: what looks them up stays outside.
 
-    `anchors`: the graph's selection topks (`selection_topks`), computed when not given. A block ends before
-    the next block's router: nothing downstream of another anchor is a candidate output, so a block whose
-    output feeds another block directly (no residual in between) is not swallowed into one region with it.
+    `anchors`: the graph's anchors, computed when not given. A block ends before the next block's router: nothing
+    downstream of another anchor is a candidate output, so a block whose output feeds another block directly (no
+    residual in between) is not swallowed into one region with it.
     """
-    router_linear, logits = find_router(topk)
+    given = op_name(anchor) != "topk"
+    router_linear, logits = find_router(anchor)
     lmeta = tensor_meta(logits)
     x = strip(router_linear.args[0], CAST_OPS)
     x_meta = tensor_meta(x)
@@ -386,17 +438,18 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
     root_meta = tensor_meta(root)
     clean = _activation_clean(gm, flow, root)
     if anchors is None:
-        anchors = selection_topks(gm, flow)
-    later_blocks = flow.forward_slice([t for t, _ in anchors if t is not topk and t in clean])
+        anchors = block_anchors(gm, flow)
+    later_blocks = flow.forward_slice([a for a, _ in anchors if a is not anchor and a in clean])
     reasons = []
     candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
-    stop = lambda n: _is_source(n) or n is root  # noqa: E731
-    routing_side = flow.backward_slice([topk], stop)
+    is_input = lambda n: _is_source(n) or (given and n is ids)  # noqa: E731
+    stop = lambda n: is_input(n) or n is root  # noqa: E731
+    routing_side = flow.backward_slice([anchor], stop)
     for out in candidates[:64]:
         sliced = _close_over_writes(flow, flow.backward_slice([out], stop), out, stop, clean)
-        inputs = {n for n in sliced if _is_source(n)} - {root}
+        inputs = {n for n in sliced if is_input(n)} - {root}
         nodes = sliced - inputs - {root}
-        if topk not in nodes or router_linear not in nodes:
+        if anchor not in nodes or router_linear not in nodes:
             continue
         try:
             routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
@@ -404,10 +457,10 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, topk: fx.Node, ids: fx.Node,
         except NoMatch as err:
             reasons.append(str(err))
             continue
-        k = topk_k(topk)
+        k = tensor_meta(ids).shape[1] if given else topk_k(anchor)
         if k is None:
             raise NoMatch("top-k size is not a constant")
-        return Region(topk=topk, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root, out=out,
+        return Region(anchor=anchor, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root, out=out,
                       nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed, T=x_meta.shape[0],
-                      H=x_meta.shape[1], E=lmeta.shape[1], K=k)
+                      H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given)
     raise NoMatch(reasons[-1] if reasons else "found no combined [tokens, hidden] output of the experts")

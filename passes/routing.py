@@ -15,6 +15,10 @@
        [T, E] (Llama4: weight on the input; `s` scales a repeated input of every expert, see
        `experts.check_input_weight_application`; unchosen experts get sigmoid(-inf) = 0)
 
+    given ids (hash routing, the ids an input of the block): logits ─(float)─ [softmax (A) | sigmoid (C) |
+       sqrt(softplus) (E)] ─> s ─ gather(1, ids) ─> w0 ─[softmax (B) | sigmoid (D) of gathered logits]─
+       [renormalise]─[* scale]─[cast]─> w; no selection bias, no groups
+
     renormalise: w0 / ([clamp(] sum(w0, -1, keepdim) [, min=m)] [+ eps]);  * scale: * c or / c (c a number),
     one or more
 
@@ -67,9 +71,9 @@ def _softmax_dim(node: fx.Node):
     return arg(node, 1, "dim")
 
 
-def _pre_topk_chain(region: Region) -> list[fx.Node]:
-    """Nodes between the logits and the topk input (the topk input first)."""
-    chain, n = [], region.topk.args[0]
+def _pre_anchor_chain(region: Region) -> list[fx.Node]:
+    """Nodes between the logits and the anchor's input (the top-k's, or the given ids' gather's; that input first)."""
+    chain, n = [], region.anchor.args[0]
     while n is not region.logits:
         chain.append(n)
         n = n.args[0]
@@ -127,13 +131,62 @@ def match_router(region: Region) -> RouterMatch:
             raise NoMatch(f"{name} ({t.name}) is computed inside the block")
     router_fp32 = tensor_meta(region.logits).dtype == torch.float32 and x_dtype != torch.float32
     E, K = int(region.E), region.K
+    if region.given_ids:
+        return _match_given_ids(region, weight, bias, router_fp32)
     t_dim = tensor_meta(region.topk.args[0]).dim()
     if not _is_last_dim(arg(region.topk, 2, "dim", -1), t_dim) or arg(region.topk, 3, "largest", True) is not True:
         raise NoMatch("top-k is not over the experts dimension (largest values)")
 
+    routing, softmax_fp32, selection_bias, scores, masked = _score_chain(region)
+    n_group, topk_group, group_top = 1, 1, 2
+    if masked is not None:
+        if routing not in GROUPED_ROUTINGS:
+            raise NoMatch("group-limited selection is only supported over softmax, sigmoid or sqrt-softplus scores")
+        n_group, topk_group, group_top = _group_limit(region, masked, E, nonnegative=selection_bias is None)
+
+    if routing is None and selection_bias is None and masked is None:
+        dense = _dense_sigmoid_scores(region)
+        if dense is not None:
+            w, softmax_fp32 = dense
+            # weights_fp32: the dense scores stay in an upcast dtype (otherwise cast back to the input dtype).
+            weights_fp32 = tensor_meta(w).dtype != x_dtype and tensor_meta(w).dtype in (torch.float32, torch.float64)
+            spec = RoutingSpec(top_k=K, routing="topk_sigmoid", router_fp32=router_fp32, softmax_fp32=softmax_fp32,
+                               weights_fp32=weights_fp32, weight_on_input=True)
+            return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
+
+    # The unnormalised top-k weights: the top-k values; where a selection bias chose, or the values are unused (as in
+    # DeepSeek-V3's and Mistral4's routers), the unbiased scores gathered at the choice. Without a bias those are the
+    # values the top-k ranked: a group mask (-inf, or 0 below non-negative scores, `_group_limit`) only removes
+    # experts, and the op's top-k over the kept ones picks the same experts with the same values.
+    values = getitem_users(region.topk, 0)
+    if selection_bias is None and len(values) == 1 and any(u in region.nodes for u in values[0].users):
+        w = values[0]
+    else:
+        w = _gathered_scores(region, scores, routing)
+    spec, w = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group, topk_group=topk_group,
+                            group_top=group_top)
+    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
+
+
+def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
+    """The routing of a block whose ids are given (hash routing): scores (softmax, sigmoid or sqrt-softplus of the
+    logits, or the logits themselves) gathered at the ids, then the weight chain of the top-k forms (a softmax or
+    sigmoid of gathered logits, renormalisation, scale, cast). Nothing may choose: no selection bias, no groups."""
+    routing, softmax_fp32, selection_bias, scores, masked = _score_chain(region)
+    if selection_bias is not None or masked is not None:
+        raise NoMatch("the router adds a selection bias or masks groups, but the expert ids are given")
+    w = _gathered_scores(region, scores, routing)
+    spec, w = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
+    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
+
+
+def _score_chain(region: Region):
+    """(routing, softmax_fp32, selection bias, scores, group mask) read off the ops between the logits and the
+    anchor: the score function (None where the anchor reads the logits), a selection bias added, a masked_fill of
+    group-limited selection."""
     routing, softmax_fp32, selection_bias, scores = None, True, None, region.logits
     masked = None
-    for n in _pre_topk_chain(region):
+    for n in _pre_anchor_chain(region):
         name = op_name(n)
         if name == "softmax":
             if routing is not None or not _is_last_dim(_softmax_dim(n), 2):
@@ -160,33 +213,12 @@ def match_router(region: Region) -> RouterMatch:
             masked = n
         elif name not in CAST_OPS:
             raise NoMatch(f"router op {name!r} is not supported")
-    n_group, topk_group, group_top = 1, 1, 2
-    if masked is not None:
-        if routing not in GROUPED_ROUTINGS:
-            raise NoMatch("group-limited selection is only supported over softmax, sigmoid or sqrt-softplus scores")
-        n_group, topk_group, group_top = _group_limit(region, masked, E, nonnegative=selection_bias is None)
+    return routing, softmax_fp32, selection_bias, scores, masked
 
-    if routing is None and selection_bias is None and masked is None:
-        dense = _dense_sigmoid_scores(region)
-        if dense is not None:
-            w, softmax_fp32 = dense
-            # weights_fp32: the dense scores stay in an upcast dtype (otherwise cast back to the input dtype).
-            weights_fp32 = tensor_meta(w).dtype != x_dtype and tensor_meta(w).dtype in (torch.float32, torch.float64)
-            spec = RoutingSpec(top_k=K, routing="topk_sigmoid", router_fp32=router_fp32, softmax_fp32=softmax_fp32,
-                               weights_fp32=weights_fp32, weight_on_input=True)
-            return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
 
-    # The unnormalised top-k weights: the top-k values; where a selection bias chose, or the values are unused (as in
-    # DeepSeek-V3's and Mistral4's routers), the unbiased scores gathered at the choice. Without a bias those are the
-    # values the top-k ranked: a group mask (-inf, or 0 below non-negative scores, `_group_limit`) only removes
-    # experts, and the op's top-k over the kept ones picks the same experts with the same values.
-    values = getitem_users(region.topk, 0)
-    if selection_bias is None and len(values) == 1 and any(u in region.nodes for u in values[0].users):
-        w = values[0]
-    else:
-        w = _gathered_scores(region, scores, routing)
-
-    # Walk the weight chain: [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [cast], in this order.
+def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32, **groups):
+    """(RoutingSpec, final weights node): the weight chain from the unnormalised weights `w` walked, [softmax (B) |
+    sigmoid (D)] -> [renormalise] -> [scale] -> [cast], in this order. `groups`: n_group, topk_group, group_top."""
     stage, renormalize, eps, renorm_min, scale = 0, False, 0.0, 0.0, 1.0
     while True:
         users = [u for u in w.users if u in region.nodes]
@@ -220,10 +252,10 @@ def match_router(region: Region) -> RouterMatch:
     if routing is None:
         raise NoMatch("found no softmax or sigmoid in the router")
     weights_fp32 = tensor_meta(w).dtype == torch.float32
-    spec = RoutingSpec(top_k=K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
+    spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
-                       n_group=n_group, topk_group=topk_group, group_top=group_top, weights_fp32=weights_fp32)
-    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
+                       weights_fp32=weights_fp32, **groups)
+    return spec, w
 
 
 def _sqrt_softplus_fp32(sqrt: fx.Node) -> bool:

@@ -233,7 +233,7 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
-    "down_bias" | "hidden"; operands: the op's 8 tensor operands; exports: {"weights": node, "ids": node} the rest
+    "down_bias" | "expert_ids" (given ids: random ones are drawn) | "hidden"; operands: the op's 8 tensor operands; exports: {"weights": node, "ids": node} the rest
     of the graph reads and the op's outputs replace. `cache` (one per `fuse_moe` call) maps `probe_key`s to
     verdicts, so structurally identical layers are probed once.
 
@@ -279,7 +279,9 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             env = {}
             for n in [region.root, *region.inputs]:
                 meta = meta_value(n)
-                if isinstance(meta, torch.Tensor):
+                if roles.get(n) == "expert_ids":
+                    env[n] = _random_ids(meta, E, round_, generator(meta.device), subs)
+                elif isinstance(meta, torch.Tensor):
                     if not meta.is_floating_point():
                         return f"block input {n.name} is not a float tensor"
                     env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
@@ -288,7 +290,8 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             try:
                 run_nodes(gm, nodes, env)
                 args = [materialize(o, env.__getitem__) for o in operands]
-                out, w, ids = reference.fused_moe_reference(*args, **op_kw)
+                given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # expert_ids
+                out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
             except Exception as err:  # a region that cannot even run on fresh inputs is not proven
                 return f"probe failed to run: {type(err).__name__}: {err}"
             got = env[region.out]
@@ -308,6 +311,17 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             if bool(seen.all()) and round_ >= 1:
                 break
     return None
+
+
+def _random_ids(meta: torch.Tensor, num_experts: int, round_: int, gen: torch.Generator, subs) -> torch.Tensor:
+    """Given expert ids [T, K] for the probe: distinct in each row on even rounds (as a top-k's), drawn with
+    repeats on odd ones (a hash table may name an expert twice, and the op then runs both pairs)."""
+    T, K = (concrete(s, subs) for s in meta.shape)
+    if round_ % 2 == 0 and K <= num_experts:
+        ids = torch.rand(T, num_experts, generator=gen, device=gen.device).argsort(dim=-1)[:, :K]
+    else:
+        ids = torch.randint(0, num_experts, (T, K), generator=gen, device=gen.device)
+    return ids.to(meta.dtype)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

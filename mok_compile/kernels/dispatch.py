@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
-from .routing import place_pairs, routing_block, routing_warps
+from .routing import place_pairs, repeats_before, routing_block, routing_warps
 
 
 @triton.jit
@@ -82,16 +82,25 @@ def _scan_kernel(counts_ptr, chunk_off_ptr, expert_count_ptr, expert_start_ptr, 
 
 @triton.jit
 def _scatter_kernel(ids_ptr, chunk_off_ptr, expert_start_ptr, sorted_pair_ptr, pair_pos_ptr, T, E,
-                    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Position of pair (t, k) = start[e] + pairs of e in earlier chunks + earlier tokens of this chunk."""
+                    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, REPEATS: tl.constexpr = False,
+                    K_PAD: tl.constexpr = 1):
+    """Position of pair (t, k) = start[e] + pairs of e in earlier chunks + earlier tokens of this chunk (+ with
+    REPEATS, where a row may name an expert twice, its earlier slots naming e)."""
     pid = tl.program_id(0)
     rows, rmask, cols, hits = _chunk_hits(ids_ptr, pid, T, K, BLOCK_T, BLOCK_E)
-    # A token picks each expert at most once, so earlier pairs of the same expert are earlier tokens.
     base = tl.load(expert_start_ptr + cols, mask=cols < E, other=0) + tl.load(chunk_off_ptr + pid * BLOCK_E + cols)
     pos_mat = base[None, :] + tl.cumsum(hits, axis=0) - hits
+    if REPEATS:
+        kcols = tl.arange(0, K_PAD)
+        ids = tl.load(ids_ptr + rows[:, None] * K + kcols[None, :], mask=rmask[:, None] & (kcols < K)[None, :],
+                      other=-1).to(tl.int32)
     for k in tl.static_range(K):
         idk = tl.load(ids_ptr + rows * K + k, mask=rmask, other=-1).to(tl.int32)
-        place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
+        if REPEATS:
+            place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr,
+                        repeats_before(ids, kcols, idk, k))
+        else:  # a token picks each expert at most once: earlier pairs of the same expert are earlier tokens
+            place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
 
 
 def grid_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -138,18 +147,20 @@ def layout_size(num_experts: int, num_pairs: int) -> int:
 class Dispatch:
     """The sorted layout of one routing decision: what every grouped kernel needs."""
 
-    def __init__(self, topk_ids, chunk_counts, num_experts, block_t):
+    def __init__(self, topk_ids, chunk_counts, num_experts, block_t, repeats=False):
         T, K = topk_ids.shape
         layout = torch.empty(layout_size(num_experts, T * K), dtype=torch.int32, device=topk_ids.device)
         self._view(layout, num_experts, K, T * K)
-        self.sort(topk_ids, chunk_counts, block_t)
+        self.sort(topk_ids, chunk_counts, block_t, repeats)
 
     @classmethod
     def from_ids(cls, topk_ids, num_experts) -> "Dispatch":
         """The layout of `topk_ids` [T, K], counted and sorted here at `routing_block`'s tile, where no routing
-        kernel wrote the counts (the backward's recompute; the tuner and tests on given ids)."""
+        kernel wrote the counts (the backward's recompute; the tuner and tests on given ids). A row may name an
+        expert twice (the op's given `expert_ids`)."""
         block_t, block_e = routing_block(num_experts, topk_ids.shape[0])
-        return cls(topk_ids, count_chunks(topk_ids, num_experts, block_t, block_e), num_experts, block_t)
+        return cls(topk_ids, count_chunks(topk_ids, num_experts, block_t, block_e), num_experts, block_t,
+                   repeats=True)
 
     @classmethod
     def unsorted(cls, num_experts, top_k, num_pairs, device) -> "Dispatch":
@@ -159,8 +170,9 @@ class Dispatch:
                    top_k, num_pairs)
         return disp
 
-    def sort(self, topk_ids, chunk_counts, block_t):
-        """Write the arrays: scan the chunk counts, then scatter each pair to its sorted position."""
+    def sort(self, topk_ids, chunk_counts, block_t, repeats=False):
+        """Write the arrays: scan the chunk counts, then scatter each pair to its sorted position. `repeats`: a row
+        of `topk_ids` may name an expert twice (given ids); a top-k's never does."""
         self._tables.clear()  # block tables of earlier counts
         T, K = topk_ids.shape
         n_chunks, block_e = chunk_counts.shape
@@ -171,7 +183,9 @@ class Dispatch:
         if T > 0:
             launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair,
                                                    self.pair_pos, T, num_experts, K=K, BLOCK_T=block_t,
-                                                   BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e))
+                                                   BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
+                                                   **({"REPEATS": True, "K_PAD": next_power_of_2(K)} if repeats
+                                                      else {}))
 
     @classmethod
     def from_layout(cls, layout, num_experts, top_k, num_pairs) -> "Dispatch":

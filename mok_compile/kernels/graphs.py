@@ -4,7 +4,8 @@ At a few hundred tokens and fewer the forward's GPU time (47 us for one Qwen3-30
 below the host time of its nine launches and the Python around them, even replayed from a launch plan (`plan.py`;
 benchmarks/NOTES-gpu.md v20-v23, v49), and so is a training step's: a caller that runs the op eagerly, or compiled
 in inductor's default mode, waits on the host. `GraphCache` captures one call signature in a CUDA graph and replays
-it: the call's per-call tensors (x; for the backward grad_out, x, the routing and the saved h, logits and layout)
+it: the call's per-call tensors (x and any given expert ids; for the backward grad_out, x, the routing and the saved
+h, logits and layout)
 copied into the graph's own buffers, one replay, the outputs copied out into new tensors. The graph holds the
 same kernels with the same configs as the launches it replaces, so the outputs are the same bits.
 

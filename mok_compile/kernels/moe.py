@@ -4,7 +4,7 @@ Forward (6 Triton launches + the router GEMM, 4 where one routing program holds 
 by E); no host synchronisation):
     logits   = x @ Wr^T (+ b)                          cuBLAS, as the HF router computes it (an fp32 router's:
                                                         router_gemm.py, fp32-accurate on the tensor cores)
-    route    -> topk_weights, topk_ids, chunk counts    routing.py
+    route    -> topk_weights, topk_ids, chunk counts    routing.py (given `expert_ids`: read, not chosen)
     scan, scatter -> expert-sorted pairs                dispatch.py (in the route launch for one chunk)
     gate_up  act[r] = act(x[tok(r)] @ W1[e])            grouped_gemm.py (gather in A loads, act in epilogue)
     down     y[r] = act[r] @ W2[e] (+ b2)               grouped_gemm.py
@@ -289,7 +289,7 @@ def _kept_logits(logits, router, E, kw):
 
 
 _FORWARD_PLANS = plan.PlanCache()
-FORWARD_GRAPHS = graphs.GraphCache()
+FORWARD_GRAPHS = graphs.GraphCache(copied=(0, 8))  # x and the given expert ids: per-call tensors
 
 
 def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
@@ -299,8 +299,9 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     per pair in sorted order (before bias and activation, in the input dtype), the router logits ([0, E]
     where the router argument is the logits) and the `Dispatch.layout`. Replayed from a launch plan
     (`plan.py`) where this call's signature has one; at few tokens, from a CUDA graph (`graphs.py`)."""
-    tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias)
     kw = with_defaults(kw)
+    tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
+               kw.pop("expert_ids", None))
     options = (save_gate_up, tuple(kw.items()))
 
     def planned(*tensors):
@@ -310,10 +311,10 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
 
 
 def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
-             save_gate_up, **kw):
+             expert_ids, save_gate_up, **kw):
     # Checked here, on the normal path only: a plan's signature fixes everything the check reads.
     check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                 down_bias, **kw)
+                 down_bias, expert_ids=expert_ids, **kw)
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
@@ -325,7 +326,8 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         logits, selection_bias, top_k=K, routing=kw["routing"],
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
-        weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"])
+        weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"],
+        expert_ids=None if expert_ids is None else expert_ids.contiguous())
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)

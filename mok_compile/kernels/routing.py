@@ -106,10 +106,18 @@ def _argmax_first(cur, cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def place_pairs(pos_mat, idk, k, rows, rmask, cols, K: tl.constexpr, sorted_pair_ptr, pair_pos_ptr):
+def repeats_before(ids, kcols, idk, k):
+    """How many of the slots before k of each row of `ids` [BLOCK_T, K_PAD] hold idk[t]: given ids (hash routing)
+    may name an expert twice, and the second pair goes after the first."""
+    return tl.sum(((kcols[None, :] < k) & (ids == idk[:, None])).to(tl.int32), axis=1)
+
+
+@triton.jit
+def place_pairs(pos_mat, idk, k, rows, rmask, cols, K: tl.constexpr, sorted_pair_ptr, pair_pos_ptr, repeats=0):
     """The sort's last step for slot k of each row's token: pair t * K + k goes to position pos_mat[t, idk[t]]
-    (its expert's start + the earlier pairs of that expert); both directions of the permutation are written."""
-    pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1)
+    (its expert's start + the earlier pairs of that expert), plus `repeats`, its row's earlier pairs of the same
+    expert; both directions of the permutation are written."""
+    pos = tl.sum(tl.where(cols[None, :] == idk[:, None], pos_mat, 0), axis=1) + repeats
     tl.store(pair_pos_ptr + rows * K + k, pos, mask=rmask)
     tl.store(sorted_pair_ptr + pos, rows * K + k, mask=rmask)
 
@@ -123,13 +131,16 @@ def _route_fwd_kernel(
     RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
     DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0, GROUP_TOP: tl.constexpr = 2,
+    given_ids_ptr=None, GIVEN_IDS: tl.constexpr = False,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
     chunk, from the same picks, so a few-token call skips those two launches.
 
     HAS_SEL_BIAS: the selection bias is added to what the top-k ranks (`choice`), never to `value`;
     SEL_LOW: that sum is rounded to the logits' dtype, as PyTorch rounds a 16-bit score plus a 16-bit bias.
-    N_GROUP > 1: only the TOPK_GROUP groups with the largest sums of their GROUP_TOP largest choices can be chosen."""
+    N_GROUP > 1: only the TOPK_GROUP groups with the largest sums of their GROUP_TOP largest choices can be chosen.
+    GIVEN_IDS: the ids are read from `given_ids_ptr` [T, K] instead of chosen (each clamped into [0, E), so that
+    an id out of range, the caller's error, cannot send a pair outside the buffers); the weights are `value` there."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -195,7 +206,11 @@ def _route_fwd_kernel(
     top_i = tl.zeros((BLOCK_T, K_PAD), tl.int32)
     picked = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
     for k in tl.static_range(K):
-        _, idx = _argmax_first(choice, cols, BLOCK_E)
+        if GIVEN_IDS:
+            idx = tl.load(given_ids_ptr + rows * K + k, mask=rmask, other=0).to(tl.int32)
+            idx = tl.minimum(tl.maximum(idx, 0), E - 1)
+        else:
+            _, idx = _argmax_first(choice, cols, BLOCK_E)
         top_v = tl.where(kcols[None, :] == k, _take(value, cols, idx)[:, None], top_v)
         top_i = tl.where(kcols[None, :] == k, idx[:, None], top_i)
         hit = cols[None, :] == idx[:, None]
@@ -228,7 +243,11 @@ def _route_fwd_kernel(
         pos_mat = (end - counts)[None, :] + tl.cumsum(picked, axis=0) - picked
         for k in tl.static_range(K):
             idk = tl.sum(tl.where(kcols[None, :] == k, top_i, 0), axis=1)
-            place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
+            if GIVEN_IDS:
+                place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr,
+                            repeats_before(top_i, kcols, idk, k))
+            else:
+                place_pairs(pos_mat, idk, k, rows, rmask, cols, K, sorted_pair_ptr, pair_pos_ptr)
     else:
         tl.store(counts_ptr + pid * BLOCK_E + cols, counts)
 
@@ -243,8 +262,9 @@ def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2):
+          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2, expert_ids=None):
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
+    `expert_ids` [T, K]: the ids, given (`mok::fused_moe`'s argument), not chosen.
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
     one program holds every token (chunk_counts is then None: its one row is `dispatch.expert_count`), else
@@ -275,9 +295,10 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
                 expert_count_ptr=dispatch.expert_count, expert_start_ptr=dispatch.expert_start,
                 expert_end_ptr=dispatch.expert_end, sorted_pair_ptr=dispatch.sorted_pair,
                 pair_pos_ptr=dispatch.pair_pos, DISPATCH=True)),
+            **({} if expert_ids is None else dict(given_ids_ptr=expert_ids, GIVEN_IDS=True)),
         )
         if dispatch is not None and not fused:
-            dispatch.sort(ids, counts, block_t)
+            dispatch.sort(ids, counts, block_t, repeats=expert_ids is not None)
     return w, ids, counts, block_t
 
 
@@ -350,7 +371,7 @@ def _route_bwd_kernel(
     for k in tl.static_range(K):
         idk = tl.sum(tl.where(kcols[None, :] == k, ids, 0), axis=1)
         dk = tl.sum(tl.where(kcols[None, :] == k, d, 0.0), axis=1)
-        scat = tl.where(cols[None, :] == idk[:, None], dk[:, None], scat)
+        scat += tl.where(cols[None, :] == idk[:, None], dk[:, None], 0.0)  # summed: given ids may repeat
     if ROUTING == 0:
         dl = base * (scat - tl.sum(base * scat, axis=1)[:, None])
     elif ROUTING == 1:

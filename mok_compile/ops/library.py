@@ -16,7 +16,7 @@ The backward is its own op, `mok::fused_moe_backward`, with the same structure; 
 C++ kernels the autograd forward runs `mok::fused_moe_train`, the same op plus the h its backward
 reads, and the backward autograd runs last (graph not retained) is `mok::fused_moe_backward_consume`,
 which may write dh over that h and then free it.
-New features (shared experts, dense weight-on-input routing, capacity limits)
+New features (shared experts, dense weight-on-input routing, given expert ids, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
 and serialized programs valid.
 """
@@ -41,8 +41,12 @@ _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
     "Tensor down_proj, Tensor? down_bias"
 )
+# `expert_ids` [T, top_k] (forward only): the experts each token goes to, given (DeepSeek-V4's hash routing looks
+# them up by token id) instead of chosen by the top-k; the weights are then the routing's values at these ids. Ids
+# may repeat within a row (each slot is its own pair). The backward reads the forward's topk_ids, which equal them.
+_GIVEN_IDS = "Tensor? expert_ids=None"
 FUSED_MOE_SCHEMA = (
-    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
+    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
 )
 # `gate_up_out`: h = x @ W1 per pair in expert-sorted order (before bias and activation), saved by
@@ -63,7 +67,7 @@ FUSED_MOE_BACKWARD_SCHEMA = (
 # router logits ([0, E] where the router argument is the logits) and the dispatch layout; the C++ kernel,
 # whose backward recomputes its own, returns them empty.
 FUSED_MOE_TRAIN_SCHEMA = (
-    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}) "
+    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out, Tensor router_logits, "
     "Tensor routing_layout)"
 )
@@ -182,6 +186,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
             _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
     if not 1 <= top_k <= E:
         _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
+    if kw.get("expert_ids") is not None:
+        _check_expert_ids(kw["expert_ids"], x, top_k, selection_bias, n_group)
     if routing not in ROUTINGS:
         _fail(f"routing={routing!r} is not supported; use one of {ROUTINGS}")
     if n_group > 1:
@@ -195,6 +201,21 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
     except ValueError as err:
         _fail(str(err))
     return T, H, E, I
+
+
+def _check_expert_ids(ids, x, top_k, selection_bias, n_group):
+    """Given expert ids: [T, top_k] integers on x's device, and nothing else that chooses. Their values (each in
+    [0, E)) are checked by the CPU kernels; on CUDA that would need a host sync, and an id out of range is the
+    caller's error, as for HF's own gather."""
+    if ids.dim() != 2 or ids.shape[1] != top_k:
+        _fail(f"expert_ids must be [T, top_k={top_k}], got shape {tuple(ids.shape)}")
+    _check(ids.shape[0] == x.shape[0], f"expert_ids has {ids.shape[0]} rows but hidden_states has {x.shape[0]}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        _fail(f"expert_ids must be int64 or int32, got {ids.dtype}")
+    if ids.device != x.device:
+        _fail(f"expert_ids is on {ids.device} but hidden_states is on {x.device}")
+    if selection_bias is not None or n_group != 1:
+        _fail("expert_ids gives the experts: selection_bias and n_group > 1, which choose them, must not be set")
 
 
 def checked_kwargs(tensors, kw) -> dict:
@@ -407,7 +428,7 @@ class _FusedMoeFunction(torch.autograd.Function):
         else:
             out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
             ctx.save_for_backward(*args, out[1], out[2])
-        ctx.kwargs = kwargs
+        ctx.kwargs = {k: v for k, v in kwargs.items() if k != "expert_ids"}  # the backward reads topk_ids
         ctx.mark_non_differentiable(out[2])
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros to add
         return out

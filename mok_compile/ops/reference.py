@@ -108,11 +108,15 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
 
 
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
-          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2):
-    """(topk_weights, topk_ids) from logits, with HF's precision behaviour."""
+          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2, expert_ids=None):
+    """(topk_weights, topk_ids) from logits, with HF's precision behaviour. `expert_ids`: the ids, given; the
+    weights are the routing's values there (DeepSeek-V4's hash routing: `scores.gather(1, tid2eid[input_ids])`)."""
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
-    if routing in SCORE_ROUTINGS:
+    if expert_ids is not None:
+        ids = expert_ids.long()
+        top = scores.gather(1, ids)
+    elif routing in SCORE_ROUTINGS:
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         top = scores.gather(1, ids)
     else:
@@ -220,14 +224,14 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False, renorm_min=0.0, group_top=2):
+                        weight_on_input=False, renorm_min=0.0, group_top=2, expert_ids=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=top_k, routing=routing,
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
                    routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32,
-                   renorm_min=renorm_min, group_top=group_top)
+                   renorm_min=renorm_min, group_top=group_top, expert_ids=expert_ids)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input)
@@ -311,15 +315,16 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
         denom = _renorm_denominator(total, renorm_eps=renorm_eps, renorm_min=renorm_min)
         w1 = w0 / denom
         d = (d - (total >= renorm_min) * (d * w1).sum(dim=-1, keepdim=True)) / denom
+    # Scattered with adds: given ids (`expert_ids`) may name an expert twice in a row, and both slots count.
     if routing == "softmax_topk":
-        dp = torch.zeros_like(l).scatter_(1, topk_ids, d)
+        dp = torch.zeros_like(l).scatter_add_(1, topk_ids, d)
         return base * (dp - (base * dp).sum(dim=-1, keepdim=True))
     if routing == "topk_softmax":
         dtop = w0 * (d - (w0 * d).sum(dim=-1, keepdim=True))
-        return torch.zeros_like(l).scatter_(1, topk_ids, dtop)
+        return torch.zeros_like(l).scatter_add_(1, topk_ids, dtop)
     if routing == "topk_sigmoid":  # d logits[t, ids] = d w0 * w0 * (1 - w0)
-        return torch.zeros_like(l).scatter_(1, topk_ids, d * w0 * (1 - w0))
-    ds = torch.zeros_like(l).scatter_(1, topk_ids, d)
+        return torch.zeros_like(l).scatter_add_(1, topk_ids, d * w0 * (1 - w0))
+    ds = torch.zeros_like(l).scatter_add_(1, topk_ids, d)
     if routing == "sqrtsoftplus_topk":  # d sqrt(softplus(l)) = sigmoid(l) / (2 s); 0 where s underflowed to 0
         return torch.where(base > 0, ds * torch.sigmoid(l) / (2 * base), 0.0)
     return ds * base * (1 - base)

@@ -265,7 +265,8 @@ def dense_oracle(args, kwargs):
     """(out [T, H], weights {(t, expert): w}) of the MoE, token by token; differentiable.
 
     Weights are keyed by expert id, so comparisons do not depend on the order in
-    which a kernel returns the k choices.
+    which a kernel returns the k choices. With `expert_ids` in `kwargs` (given ids, which may repeat an expert
+    in a row: then the key holds the last slot's weight) those are the chosen experts, in their order.
     """
     kw = with_defaults(kwargs)
     spec = ExpertSpec(**{f.name: kw[f.name] for f in dataclasses.fields(ExpertSpec)})
@@ -273,7 +274,12 @@ def dense_oracle(args, kwargs):
     T, H = x.shape
     I = down.shape[1] if spec.transposed else down.shape[2]
     K = kw["top_k"]
+    given = kw.get("expert_ids")
     outs, weights = [], {}
+
+    def _choose(t, values, allowed=None):
+        return [int(e) for e in given[t]] if given is not None else _largest(values, K, allowed)
+
     for t in range(T):
         if kw["router_is_logits"]:
             logits = router[t]
@@ -284,24 +290,24 @@ def dense_oracle(args, kwargs):
         if kw["routing"] == "softmax_topk":
             p = torch.exp(logits - logits.max())
             p = p / p.sum()
-            chosen = _largest(p + bias, K, _allowed(p + bias, kw))
+            chosen = _choose(t, p + bias, _allowed(p + bias, kw))
             w = p[chosen]
         elif kw["routing"] == "topk_softmax":
-            chosen = _largest(logits + bias, K)
+            chosen = _choose(t, logits + bias)
             z = torch.exp(logits[chosen] - logits[chosen].max())
             w = z / z.sum()
         elif kw["routing"] == "topk_sigmoid":
-            chosen = _largest(logits + bias, K)
+            chosen = _choose(t, logits + bias)
             w = _sigmoid(logits[chosen])
         elif kw["routing"] == "sqrtsoftplus_topk":
             s = torch.sqrt(torch.log(1 + torch.exp(logits)))
             c = s if selection_bias is None else s + selection_bias
-            chosen = _largest(c, K, _allowed(c, kw))
+            chosen = _choose(t, c, _allowed(c, kw))
             w = s[chosen]
         else:
             s = _sigmoid(logits)
             c = s if selection_bias is None else s + selection_bias
-            chosen = _largest(c, K, _allowed(c, kw))
+            chosen = _choose(t, c, _allowed(c, kw))
             w = s[chosen]
         if kw["renormalize"]:
             w = w / (torch.clamp(w.sum(), min=kw["renorm_min"]) + kw["renorm_eps"])

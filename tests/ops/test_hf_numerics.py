@@ -323,3 +323,65 @@ def test_llama4_bf16_grads_as_accurate_as_hf(top_k):
         err_hf, err_op = _rel(hf[name], g), _rel(op[name], g)
         assert err_op <= 1.5 * err_hf, f"grad {name}: op error {err_op:.2e} vs HF bf16 error {err_hf:.2e}"
         assert err_op <= 1e-2, f"grad {name}: op error {err_op:.2e}"
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4's hash routing
+#
+# DeepseekV4HashRouter looks each token's experts up by its id (`tid2eid[input_ids]`) and weights them by the
+# sqrt-softplus scores gathered there; the op takes those ids as `expert_ids`. The table names one expert twice for
+# some tokens (HF then runs that expert twice).
+
+
+def _hash_block(dtype=torch.float32, impl="grouped_mm"):
+    modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    cfg = hf_blocks.make_config("deepseek_v4", num_layers=2, mlp_layer_types=["hash_moe", "moe"])
+    cfg._experts_implementation = impl
+    block = hf_blocks.init_moe_weights_(modeling.DeepseekV4SparseMoeBlock(cfg, layer_idx=0), std=0.2, seed=1)
+    E, K = hf_blocks.BlockSizes().experts, hf_blocks.BlockSizes().top_k
+    with torch.no_grad():
+        block.experts.gate_up_proj.mul_(5.0)
+        table = torch.randint(0, E, (cfg.vocab_size, K), generator=torch.Generator().manual_seed(2))
+        table[::3, 1] = table[::3, 0]
+        block.gate.tid2eid.copy_(table)
+    return block.to(dtype).eval()
+
+
+def _hash_inputs(tokens=T):
+    ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(3))
+    return ids
+
+
+def _hash_with_op(block, x, input_ids):
+    x2 = x.reshape(-1, x.shape[-1])
+    tensors, kw = hf_blocks.op_arguments("deepseek_v4", block)
+    expert_ids = block.gate.tid2eid[input_ids.reshape(-1)]
+    out, _, _ = torch.ops.mok.fused_moe(x2, *tensors, **kw, expert_ids=expert_ids)
+    return ((out + block.shared_experts(x2)).view(x.shape),)
+
+
+def test_deepseek_v4_hash_block_fp32_outputs_and_grads():
+    block = _hash_block()
+    x, probes = _inputs(torch.float32)
+    input_ids = _hash_inputs()
+    table = block.gate.tid2eid[input_ids.reshape(-1)]
+    assert (table[:, 0] == table[:, 1]).any()  # some token runs one expert twice
+    x.requires_grad_()
+    want, got = (block(x, input_ids),), _hash_with_op(block, x, input_ids)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5 * want[0].abs().max().item())
+    grads_op, grads_hf = _grads(got, probes, x, block), _grads(want, probes, x, block)
+    for name, g_hf in grads_hf.items():
+        assert g_hf.norm() > 1e-3 * grads_hf["hidden_states"].norm(), f"grad {name} is negligible: test is vacuous"
+        assert _rel(grads_op[name], g_hf) <= 1e-5, f"grad {name}: rel err {_rel(grads_op[name], g_hf):.2e}"
+
+
+def test_deepseek_v4_hash_block_bf16_within_hf_spread():
+    grouped = _hash_block(torch.bfloat16)
+    eager = _set_experts_impl(copy.deepcopy(grouped), "eager")
+    x, _ = _inputs(torch.bfloat16)
+    input_ids = _hash_inputs()
+    with torch.no_grad():
+        want, other, got = grouped(x, input_ids), eager(x, input_ids), _hash_with_op(grouped, x, input_ids)[0]
+    spread = (other.float() - want.float()).abs().max().item()
+    floor = 2**-8 * want.float().abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    assert got.dtype == torch.bfloat16 and err <= max(spread, floor), (err, spread, floor)

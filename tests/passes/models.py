@@ -306,6 +306,34 @@ class SqrtSoftplusMoE(StackedGatherMoE):
         return torch.bmm(self.w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
 
 
+class HashRoutedMoE(StackedGatherMoE):
+    """Hash routing written by hand: each token's experts looked up by its id in a fixed table (which names some
+    expert twice in a row), weighted by the router's softmax probabilities there, renormalised and scaled. Near
+    misses: `variant` "topk_weights" (the weights are the top-k probabilities, not those at the looked-up ids),
+    "biased" (a bias added to the probabilities that are gathered: it would weight, not choose)."""
+
+    def __init__(self, vocab=50, variant=None, **kw):
+        super().__init__(**kw)
+        self.variant = variant
+        table = torch.randint(0, self.router.shape[0], (vocab, self.top_k), generator=torch.Generator().manual_seed(3))
+        table[:4] = 5  # tokens 0-3 go to expert 5 in every slot
+        self.register_buffer("table", table)
+
+    def forward(self, x, token_ids):
+        T, H = x.shape
+        probs = F.linear(x, self.router).softmax(dim=-1)
+        ids = self.table[token_ids]
+        if self.variant == "topk_weights":
+            w = probs.topk(self.top_k, dim=-1).values
+        elif self.variant == "biased":
+            w = (probs + self.choice_bias).gather(1, ids)
+        else:
+            w = probs.gather(1, ids)
+        w = w / w.sum(dim=-1, keepdim=True) * self.scale
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), ids.reshape(-1))
+        return (y.view(T, self.top_k, H) * w.unsqueeze(-1)).sum(dim=1)
+
+
 class SharedExpertMoE(nn.Module):
     """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
 

@@ -209,6 +209,45 @@ def test_sqrt_softplus_near_misses_untouched(variant, reason):
     assert reason in report.rejected[0].reason, report.rejected[0].reason
 
 
+def _tokens(T, vocab=50):
+    ids = torch.randint(0, vocab, (T,), generator=torch.Generator().manual_seed(1))
+    ids[:3] = torch.tensor([0, 1, 2])  # rows that name expert 5 twice
+    return ids
+
+
+def test_hash_routed_module_fused_with_given_ids():
+    """Experts looked up by token id, weighted by the softmax probabilities gathered at them (softmax_topk with given
+    ids): fused; the table lookup stays in the graph as the op's expert_ids."""
+    torch.manual_seed(0)
+    module = models.HashRoutedMoE().eval()
+    (graph,), eager = capture(module, torch.randn(24, 32), _tokens(24))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [(b.fused, b.given_ids) for b in report.blocks] == [(True, True)] and count_fused(gm) == 1, str(report)
+    r = report.blocks[0].routing
+    assert (r.routing, r.renormalize, r.routed_scale) == ("softmax_topk", True, 1.5)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    lookup = op.kwargs["expert_ids"]
+    assert lookup.target is operator.getitem and "table" in lookup.args[0].name
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+@pytest.mark.parametrize("variant, form", [("topk_weights", "hash_routing"), ("biased", None)])
+def test_hash_routed_near_misses_untouched(variant, form):
+    """Weights that are not the scores at the looked-up ids: reported (as hash routing where no scores are gathered
+    at the ids; by the reason for a bias added to the gathered scores), the graph left as it was."""
+    module = torch.nn.ModuleDict({"moe": models.HashRoutedMoE(variant=variant)}).eval()
+    module.forward = lambda x, token_ids: module["moe"](x, token_ids)  # a module path for the lookup ("moe")
+    (graph,), eager = capture(module, torch.randn(24, 32), _tokens(24))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    if form:
+        assert report.rejected[0].form == form
+    else:
+        assert "selection bias" in report.rejected[0].reason, report.rejected[0].reason
+
+
 def test_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))

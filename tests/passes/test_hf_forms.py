@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from mok_compile.diagnostics import describe_block
 from mok_compile.hf_blocks import FAMILIES, init_moe_weights_, make_block, make_config, routed_parts
 from mok_compile.passes import fuse_moe
-from mok_compile.passes.op_names import module_path
+from mok_compile.passes.op_names import module_path, op_name
 
 from .helpers import capture, count_fused, ops_in, run
 
@@ -243,29 +244,71 @@ def test_deepseek_v4_block_fused(dtype):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-def test_deepseek_v4_hash_routed_block_reported(impl):
-    """A hash-routed DeepSeek-V4 block compiled alone (its ids looked up by token id, no top-k): reported as hash
-    routing, in either experts form, and left as it was."""
+def _hash_block(impl, dtype=torch.float32, seed=0):
+    """A hash-routed DeepSeek-V4 block (transformers >= 5.25) whose token-id table names some expert twice in a row."""
     modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-
     config = make_config("deepseek_v4", num_layers=3, mlp_layer_types=["hash_moe", "moe", "moe"])
     config._experts_implementation = impl
-    block = init_moe_weights_(modeling.DeepseekV4SparseMoeBlock(config, layer_idx=0)).eval()
+    block = init_moe_weights_(modeling.DeepseekV4SparseMoeBlock(config, layer_idx=0)).to(dtype).eval()
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        block.gate.tid2eid.copy_(torch.randint(0, 8, (128, 2)))
-    x, ids = torch.randn(2, 5, 64), torch.randint(0, 128, (2, 5))
+        block.gate.tid2eid.copy_(torch.randint(0, 8, (128, 2), generator=g))
+        block.gate.tid2eid[:8] = 3  # tokens 0-7 go to expert 3 twice
+    ids = torch.randint(0, 128, (2, 5), generator=g)
+    ids[0, 0] = 5
+    return block, ids
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_deepseek_v4_hash_routed_block_fused(impl, dtype):
+    """A hash-routed DeepSeek-V4 block (its ids looked up by token id, no top-k), in either experts form: fused with
+    the looked-up ids as the op's `expert_ids`; the lookup stays in the graph, the scores gathered at the ids weight
+    them (sqrt-softplus, renormalised, scaled by 1.5). A token whose table row names one expert twice runs it twice,
+    as HF does."""
+    block, ids = _hash_block(impl, dtype)
+    x = torch.randn(2, 5, 64, dtype=dtype)
     (graph,), eager = capture(block, x, ids)
     gm, example = graph
     report = fuse_moe(gm, example)
-    assert [(b.fused, b.form, b.name) for b in report.blocks] == [(False, "hash_routing", "experts")], str(report)
+    assert [(b.fused, b.name) for b in report.blocks] == [(True, "<compiled module>")], str(report)
+    assert count_fused(gm) == 1
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    looked_up = op.kwargs["expert_ids"]
+    assert op_name(looked_up) == "long" and op_name(looked_up.args[0]) == "getitem"
+    r = report.blocks[0].routing
+    assert (r.routing, r.renormalize, r.renorm_eps, r.routed_scale, r.top_k) == ("sqrtsoftplus_topk", True, 1e-20,
+                                                                                 1.5, 2)
+    assert report.blocks[0].given_ids and "sqrtsoftplus_topk(renorm, scale=1.5, ids_given)" in describe_block(
+        report.blocks[0])
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+def test_deepseek_v4_hash_routed_block_needs_the_gather_at_its_ids():
+    """Near miss: a hash-routed block whose weights are the scores gathered at other ids (the table's ids reversed)
+    is not the op's given-ids routing: reported, the graph left as it was."""
+    block, ids = _hash_block("grouped_mm")
+
+    def reversed_gather(self, hidden_states, input_ids):  # DeepseekV4HashRouter.forward but for the flip
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        indices = self.tid2eid[input_ids.reshape(-1)].long()
+        w = self.score_fn(logits).gather(1, indices.flip(-1))
+        return logits, w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor, indices
+
+    block.gate.forward = reversed_gather.__get__(block.gate)
+    x = torch.randn(2, 5, 64)
+    (graph,), eager = capture(block, x, ids)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [(b.fused, b.form) for b in report.blocks] == [(False, "hash_routing")], str(report)
+    assert "looked up in a table by token id" in report.blocks[0].reason
     assert count_fused(gm) == 0
     assert torch.equal(_output(run(gm, example)), eager)
 
 
-def test_deepseek_v4_hash_routed_layers_reported():
-    """A DeepSeek-V4 model whose first layer routes by a token-id table (hash routing, no top-k): its experts are
-    reported, not fused, and the learned-router layers in the same graph are fused."""
+def test_deepseek_v4_hash_routed_layers_fused():
+    """A DeepSeek-V4 model whose first layer routes by a token-id table (hash routing) and the next two by a top-k:
+    all three fused in one graph, the hash layer with the looked-up ids."""
     pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     from transformers import AutoModelForCausalLM
 
@@ -278,10 +321,10 @@ def test_deepseek_v4_hash_routed_layers_reported():
     (graph,), eager = capture(model, ids, use_cache=False)
     gm, example = graph
     report = fuse_moe(gm, example)
-    assert [b.fused for b in report.blocks] == [True, True, False] and count_fused(gm) == 2, str(report)
-    hashed = report.blocks[2]
-    assert (hashed.name, hashed.form) == ("model.layers.0.mlp.experts", "hash_routing")
-    assert "looked up in a table by token id" in hashed.reason
+    assert [b.fused for b in report.blocks] == [True, True, True] and count_fused(gm) == 3, str(report)
+    assert report.blocks[0].name == "model.layers.0.mlp"
+    given = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default and "expert_ids" in n.kwargs]
+    assert len(given) == 1
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
 
 

@@ -10,7 +10,7 @@ from mok_compile.ops.spec import op_kwargs
 from mok_compile.passes.dataflow import Dataflow
 from mok_compile.passes.experts import match_experts
 from mok_compile.passes.fuse_moe import _expert_inputs, _roles
-from mok_compile.passes.region import find_region, selection_topks
+from mok_compile.passes.region import block_anchors, find_region
 from mok_compile.passes.rewrite import plan_rewrite
 from mok_compile.passes.routing import match_router
 from mok_compile.passes.validate import probe
@@ -23,7 +23,7 @@ def _probe_setup(module, x):
     (graph,), _ = capture(module.eval(), x)
     gm, _ = graph
     flow = Dataflow(gm.graph)
-    (topk, ids), = selection_topks(gm, flow)
+    (topk, ids), = block_anchors(gm, flow)
     region = find_region(gm, flow, topk, ids)
     router = match_router(region)
     experts = match_experts(flow, region, router)
