@@ -201,6 +201,48 @@ def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
 
 
+class _GivenIds(torch.nn.Module):
+    """Mixtral's routed experts with the expert ids given (hash routing), a second input."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = FusedMoE("mixtral")
+
+    def forward(self, x, ids):
+        m = self.moe
+        return torch.ops.mok.fused_moe(x, *(getattr(m, n) for n in m.names), **m.kw, expert_ids=ids)
+
+
+def _ids(n, seed=0):
+    ids = torch.randint(0, SIZES.experts, (n, SIZES.top_k), generator=torch.Generator().manual_seed(seed))
+    ids[0] = 3  # one expert in both slots
+    return ids
+
+
+def test_given_ids_keep_the_op_whole_and_decompose_on_refbackend():
+    """`expert_ids` through both forms: the torch-backend form keeps one op taking the ids (the shape and dtype
+    functions have the argument); the decomposed linalg form runs on RefBackend with the op's numbers, repeated ids
+    included, at token counts other than the example's."""
+    moe = _GivenIds()
+    dynamic = (_tokens(), _tokens())
+    kept = export_mlir(moe, _x(5), _ids(5), output_type="torch", dynamic_shapes=dynamic, fuse=False)
+    assert kept.num_fused_ops == 1
+    filecheck(str(kept), f"""
+        CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[?,32],f32>, %arg1: !torch.vtensor<[?,2],si64>)
+        CHECK: {FUSED}(%arg0,{{{{.*}}}}%arg1
+    """)
+    lowered = export_mlir(moe, _x(5), _ids(5), output_type="linalg-on-tensors", dynamic_shapes=dynamic, fuse=False)
+    assert lowered.num_fused_ops == 0
+    run = RefBackendFunction(lowered.module)
+    for tokens in (1, 6, 37):
+        x, ids = _x(tokens, seed=tokens), _ids(tokens, seed=tokens)
+        out, weights, got_ids = run(x, ids)
+        ref_out, ref_weights, ref_ids = moe(x, ids)
+        assert torch.equal(got_ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+
+
 def test_abstract_interp_library_follows_the_schema():
     """The shape/dtype functions take every argument of the registered schema, the trailing ones included."""
     schema = torch.ops.mok.fused_moe.default._schema

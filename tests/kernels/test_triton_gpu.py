@@ -662,3 +662,50 @@ def test_autograd_kernel_calls_the_cuda_kernel_directly(monkeypatch):
     out, _, _ = _op(tensors, kw)
     assert calls == [1]
     assert torch.equal(out, kernel(*tensors, **kw)[0])
+
+
+def _given_ids(T, E, K, seed):
+    """Expert ids as a hash table gives them: any expert in any slot, one expert twice in some rows."""
+    g = generator(seed, DEV)
+    ids = torch.randint(0, E, (T, K), device=DEV, generator=g)
+    if K > 1:
+        ids[::5, 1] = ids[::5, 0]
+    return ids
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v4", "llama4"])
+@pytest.mark.parametrize("T", [7, 300, 2000])
+def test_given_expert_ids(variant, T):
+    """`expert_ids` (hash routing) on every engine: the output and weights against the reference with the same ids,
+    the backward (which reads the forward's ids) against the reference's, and at few tokens the CUDA-graph replay
+    with other ids (the graph copies them in per call)."""
+    E, K = 16, 4 if variant != "llama4" else 1
+    tensors, kw = make_case(variant, T=T, H=200, I=72, E=E, K=K, dtype=torch.bfloat16, device=DEV, seed=T)
+    tensors = (*tensors[:3], None, *tensors[4:])  # given ids leave nothing to choose: no selection bias, no groups
+    kw = {**kw, "n_group": 1, "topk_group": 1}
+    for seed in (1, 1, 2):  # the second call of a signature is captured in a CUDA graph, the third replays it
+        ids = _given_ids(T, E, K, seed)
+        out, w, got_ids = _op(tensors, {**kw, "expert_ids": ids})
+        r_out, r_w, _ = reference.fused_moe_reference(*tensors, **kw, expert_ids=ids)
+        assert torch.equal(got_ids, ids)
+        assert rel_err(out, r_out) < FWD_TOL[torch.bfloat16] and rel_err(w, r_w) < FWD_TOL[torch.bfloat16]
+    go, gw, grads = _backward(tensors, kw, w, got_ids)
+    r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
+    slack = _kink_slack(go, gw, tensors, kw, w, ids, r_grads)
+    for name, a, b in zip(GRAD_NAMES, grads, r_grads):
+        if b is not None:
+            assert rel_err(a, b) < GRAD_TOL[torch.bfloat16] + slack.get(name, 0.0), (name, rel_err(a, b))
+    # Through autograd (the training forward's saved h and layout of the repeated ids): the bits of the direct
+    # backward given what that forward returns.
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in tensors]
+    out, w, _ = _op(leaves, {**kw, "expert_ids": ids})
+    torch.autograd.backward((out, w), (go, gw))
+    saved = {}
+    if not kw.get("weight_on_input"):
+        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw, expert_ids=ids)[3:]
+        saved = dict(gate_up_out=h, router_logits=logits, routing_layout=layout)
+    direct = torch.ops.mok.fused_moe_backward(go, gw, *tensors, w.detach(), ids, **kw, **saved)
+    for name, leaf, d in zip(GRAD_NAMES, (leaves[0], leaves[1], leaves[2], leaves[4], leaves[5], leaves[6], leaves[7]),
+                             direct):
+        if leaf is not None:
+            assert torch.equal(leaf.grad, d), name
