@@ -233,9 +233,9 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
-    "down_bias" | "expert_ids" (given ids: random ones are drawn) | "hidden"; operands: the op's 8 tensor operands; exports: {"weights": node, "ids": node} the rest
-    of the graph reads and the op's outputs replace. `cache` (one per `fuse_moe` call) maps `probe_key`s to
-    verdicts, so structurally identical layers are probed once.
+    "down_bias" | "expert_ids" (given ids: random ones are drawn) | "hidden"; operands: the op's 8 tensor operands;
+    exports: {"weights": node, "ids": node} the rest of the graph reads and the op's outputs replace. `cache` (one
+    per `fuse_moe` call) maps `probe_key`s to verdicts, so structurally identical layers are probed once.
 
     A symbolic token count is lowered for the probe (`probe_sizes`); if the region does not run or does not
     agree at the lowered size, the verdict is taken at the traced size.
