@@ -110,6 +110,14 @@ def test_given_ids_compile_with_dynamic_tokens():
                                    rtol=1e-12, atol=1e-14)
 
 
+def test_given_ids_at_zero_tokens():
+    args, kw = _given(GIVEN_CASES[0], T=0, requires_grad=True)
+    out, w, ids = fused_moe(*args, **kw)
+    assert out.shape == (0, 12) and w.shape == ids.shape == (0, 2)
+    grads = torch.autograd.grad(out.sum(), [args[i] for i in DIFFERENTIABLE if args[i] is not None])
+    assert all(not g.any() for g in grads)
+
+
 @pytest.mark.parametrize("form", EXPERTS_FORMS)
 def test_given_ids_in_the_export_decomposition(form):
     args, kw = _given(CASES_BY_NAME["sqrtsoftplus_deepseek_v4_bf16"], dtype=torch.float64)

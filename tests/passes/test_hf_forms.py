@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 from mok_compile.diagnostics import describe_block
 from mok_compile.hf_blocks import FAMILIES, init_moe_weights_, make_block, make_config, routed_parts
 from mok_compile.passes import fuse_moe
-from mok_compile.passes.op_names import module_path, op_name
+from mok_compile.passes.op_names import module_path, op_name, tensor_meta
 
 from .helpers import capture, count_fused, ops_in, run
 
@@ -282,6 +282,29 @@ def test_deepseek_v4_hash_routed_block_fused(impl, dtype):
     assert report.blocks[0].given_ids and "sqrtsoftplus_topk(renorm, scale=1.5, ids_given)" in describe_block(
         report.blocks[0])
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+def test_deepseek_v4_hash_routed_block_dynamic_tokens():
+    """The hash block traced with a symbolic token count: fused, the op's output and its ids' rows symbolic, and the
+    graph runs at another token count with other ids. (Floats specialised: under dynamic=True Dynamo would otherwise
+    trace the clamp limit as an input, which the op needs as a constant; such blocks are reported saying so.)"""
+    block, ids = _hash_block("grouped_mm")
+    x = torch.randn(2, 5, 64)
+    with torch._dynamo.config.patch(specialize_float=True):
+        (graph,), eager = capture(block, x, ids, dynamic=True)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert isinstance(op.meta["val"][0].shape[0], torch.SymInt)
+    assert isinstance(tensor_meta(op.kwargs["expert_ids"]).shape[0], torch.SymInt)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
+    x2, ids2 = torch.randn(3, 4, 64), torch.randint(0, 128, (3, 4))
+    with torch.no_grad():
+        want = block(x2, ids2)
+    assert sum(e is x for e in example) == 1 and sum(e is ids for e in example) == 1
+    args = [x2 if e is x else ids2 if e is ids else e for e in _with_sizes(example, x, x2)]
+    torch.testing.assert_close(_output(gm(*args)), want, **TOL[torch.float32])
 
 
 def test_deepseek_v4_hash_routed_block_needs_the_gather_at_its_ids():
