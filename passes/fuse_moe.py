@@ -144,9 +144,9 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
     return out
 
 
-def _fuse_block(gm, topk, ids, validate: bool, report: BlockReport, probe_cache: dict, anchors) -> None:
+def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict, anchors) -> None:
     flow = Dataflow(gm.graph)
-    region: Region = find_region(gm, flow, topk, ids, anchors)
+    region: Region = find_region(gm, flow, anchor, ids, anchors)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
     report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
@@ -203,16 +203,16 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     report = FuseReport()
     probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
     anchors = block_anchors(gm, Dataflow(gm.graph))
-    for topk, ids in anchors:
-        if getattr(topk, "_erased", False) or getattr(ids, "_erased", False):
+    for anchor, ids in anchors:
+        if getattr(anchor, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
-        block = BlockReport(name=module_path(topk) or topk.name, fused=False, reason="", form="unknown")
+        block = BlockReport(name=module_path(anchor) or anchor.name, fused=False, reason="", form="unknown")
         try:
-            _fuse_block(gm, topk, ids, validate, block, probe_cache, anchors)
+            _fuse_block(gm, anchor, ids, validate, block, probe_cache, anchors)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form
-            evidence = sharding_evidence(gm, topk, ids)
+            evidence = sharding_evidence(gm, anchor, ids)
             if evidence is not None:
                 block.reason = sharded_reason(evidence, block.reason)
         report.blocks.append(block)

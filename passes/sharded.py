@@ -45,12 +45,12 @@ def _within(path: str | None, block: str) -> bool:
     return path is not None and (not block or path == block or path.startswith(block + "."))
 
 
-def sharding_evidence(gm: fx.GraphModule, topk: fx.Node, ids: fx.Node) -> str | None:
-    """"DTensor.to_local (node) in module" for the first node downstream of the top-k `ids` that reads a
-    DTensor shard, inside the module that holds the router's module (``mlp`` for a router ``mlp.gate``; the
-    router's own module where that is a top-level one), or None. Bounding by module keeps a later layer's
-    shards, or the user's, out of this block's report."""
-    router_path = module_path(topk)
+def sharding_evidence(gm: fx.GraphModule, anchor: fx.Node, ids: fx.Node) -> str | None:
+    """"DTensor.to_local (node) in module" for the first node downstream of the block's `ids` (its anchor's: a
+    top-k's, or given ids) that reads a DTensor shard, inside the module that holds the router's module (``mlp``
+    for a router ``mlp.gate``; the router's own module where that is a top-level one), or None. Bounding by module
+    keeps a later layer's shards, or the user's, out of this block's report."""
+    router_path = module_path(anchor)
     if not router_path:
         return None
     block = router_path.rpartition(".")[0] or router_path
