@@ -1,7 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
     python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4,
-                                              deepseek_v4]
+                                              deepseek_v4,deepseek_v4_hash]
         [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
@@ -63,6 +63,10 @@ SHAPES = {
     # DeepSeek-V4 (transformers >= 5.25; skipped with an older one): sqrt(softplus) scores with a selection bias,
     # the SwiGLU clamped at 10, a shared expert outside the op.
     "deepseek_v4": ("deepseek_v4", BlockSizes(hidden=4096, intermediate=2048, experts=256, top_k=6), {}, (256, 4096)),
+    # Its first layers' hash routing: each token's 6 experts looked up by its id (a random table of distinct experts
+    # over the real vocabulary), weighted by the scores there; the op takes the looked-up ids (`expert_ids`).
+    "deepseek_v4_hash": ("deepseek_v4", BlockSizes(hidden=4096, intermediate=2048, experts=256, top_k=6),
+                         dict(mlp_layer_types=["hash_moe", "hash_moe"], vocab_size=129280), (256, 4096)),
 }
 
 
@@ -119,6 +123,10 @@ def build_block(family, sizes, overrides):
             if p.is_floating_point():
                 std = bias_std if name.endswith("e_score_correction_bias") else 0.02
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * std)
+        if getattr(block, "is_hash", False):  # distinct experts per token id, as a top-k would give
+            table = block.gate.tid2eid
+            scores = torch.rand(table.shape[0], sizes.experts, device="cuda", generator=gen)
+            table.copy_(scores.argsort(dim=-1)[:, :table.shape[1]])
     return hf_blocks.keep_fp32_parts_(family, block).eval()
 
 
@@ -134,8 +142,28 @@ def layer_routing(name, T, seed=0, block=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(T, sizes.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     with torch.no_grad():
-        _, topk_weights, topk_ids = torch.ops.mok.fused_moe(x, *tensors, **kw)
+        _, topk_weights, topk_ids = torch.ops.mok.fused_moe(x, *tensors, **kw, **_given_ids(block, T))
     return x, topk_weights, topk_ids
+
+
+MAX_HASH_TOKENS = 65536
+
+
+def _token_ids(block):
+    """The [1, MAX_HASH_TOKENS] row of token ids whose first T a hash-routed block gets with T tokens (None for the
+    other blocks, which take none)."""
+    if not getattr(block, "is_hash", False):
+        return None
+    table = block.gate.tid2eid
+    gen = torch.Generator(device=table.device).manual_seed(1)
+    return torch.randint(0, table.shape[0], (1, MAX_HASH_TOKENS), device=table.device, generator=gen)
+
+
+def _given_ids(block, T, token_ids=None) -> dict:
+    """The op's `expert_ids` for a hash-routed block's first T tokens, looked up as its router does; {} for the
+    others."""
+    token_ids = _token_ids(block) if token_ids is None else token_ids
+    return {} if token_ids is None else {"expert_ids": block.gate.tid2eid[token_ids[0, :T]]}
 
 
 ROUTINGS = ("layer", "random")
@@ -162,22 +190,28 @@ def _first(out):
 
 def make_runners(family, block, mode=None):
     """Callables x -> out for hf, hf+comp, mok and mok+comp (same weights); `mode`: torch.compile's, for
-    both compiled runners (e.g. "reduce-overhead": CUDA graphs on both sides)."""
+    both compiled runners (e.g. "reduce-overhead": CUDA graphs on both sides). A hash-routed block gets the first
+    x.shape[1] of a fixed row of token ids, and its lookup is timed on both sides."""
     tensors, kw = hf_blocks.op_arguments(family, block)
     shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
+    token_ids = _token_ids(block)
+
+    def tokens(x):  # the block's extra input: () or its token ids
+        return () if token_ids is None else (token_ids[:, :x.shape[1]],)
 
     def mok(x, with_ids=False):
         x2 = x.reshape(-1, x.shape[-1])
-        out, _, topk_ids = torch.ops.mok.fused_moe(x2, *tensors, **kw)
+        given = {} if token_ids is None else _given_ids(block, x.shape[1], token_ids)
+        out, _, topk_ids = torch.ops.mok.fused_moe(x2, *tensors, **kw, **given)
         out = out.view_as(x)
         out = out if shared is None else out + shared(x)
         return (out, topk_ids) if with_ids else out
 
     def hf(x):
-        return _first(block(x))
+        return _first(block(x, *tokens(x)))
 
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
-        return _first(block(x))
+        return _first(block(x, *tokens(x)))
 
     compiled = torch.compile(hf, dynamic=False, mode=mode)
     return {"hf": hf, "hf+comp": compiled, "mok": mok,
