@@ -139,7 +139,7 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group, o.group_top);
   Tensor top, ids;
   if (expert_ids.has_value()) {
-    ids = expert_ids->to(at::kLong);
+    ids = expert_ids->to(at::kLong, /*non_blocking=*/false, /*copy=*/true);  // an output never aliases an input
     const int64_t E = logits.size(1);
     TORCH_CHECK(ids.numel() == 0 || (ids.min().item<int64_t>() >= 0 && ids.max().item<int64_t>() < E),
                 "mok_cpu.fused_moe: expert_ids holds ids outside [0, ", E, ")");

@@ -114,7 +114,7 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
     if expert_ids is not None:
-        ids = expert_ids.long()
+        ids = expert_ids.to(torch.int64, copy=True)  # an op's output never aliases its input
         top = scores.gather(1, ids)
     elif routing in SCORE_ROUTINGS:
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]

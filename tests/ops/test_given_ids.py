@@ -42,6 +42,7 @@ def test_given_ids_match_the_dense_oracle(case):
     args, kw = _given(case, requires_grad=True)
     out, w, ids = fused_moe(*args, **kw)
     assert torch.equal(ids, kw["expert_ids"])
+    assert ids.data_ptr() != kw["expert_ids"].data_ptr()  # a copy: an op's output never aliases its input
     ref_out, _ = dense_oracle(args, kw)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     _, ref_w, _ = reference.fused_moe_reference(*args, **kw)
