@@ -232,12 +232,23 @@ def test_hash_routed_module_fused_with_given_ids():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+class _Submodule(torch.nn.Module):
+    """`moe` as a submodule, so that its nodes have a module path ("moe")."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, *args):
+        return self.moe(*args)
+
+
 @pytest.mark.parametrize("variant, form", [("topk_weights", "hash_routing"), ("biased", None)])
 def test_hash_routed_near_misses_untouched(variant, form):
     """Weights that are not the scores at the looked-up ids: reported (as hash routing where no scores are gathered
-    at the ids; by the reason for a bias added to the gathered scores), the graph left as it was."""
-    module = torch.nn.ModuleDict({"moe": models.HashRoutedMoE(variant=variant)}).eval()
-    module.forward = lambda x, token_ids: module["moe"](x, token_ids)  # a module path for the lookup ("moe")
+    at the ids, which needs the lookup's module path; by the reason for a bias added to the gathered scores), the
+    graph left as it was."""
+    module = _Submodule(models.HashRoutedMoE(variant=variant)).eval()
     (graph,), eager = capture(module, torch.randn(24, 32), _tokens(24))
     gm, example = graph
     report = fuse_moe(gm, example)
