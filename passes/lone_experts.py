@@ -16,8 +16,8 @@ Hash routing has no top-k either: DeepSeek-V4's first layers look their experts 
     table [vocab, K] (int) ─ index by input_ids ─> ids ──> sort ─ grouped_mm ─ ...  (batched_mm: W[ids] ─ bmm)
 
 Where the ids also pick the router's scores (``scores.gather(1, ids)``), the block is anchored there and fused
-with the ids as the op's `expert_ids` (`region.block_anchors`); experts fed by any other lookup are reported as
-form "hash_routing".
+with the ids as the op's `expert_ids` (`region.block_anchors`, which takes any ids computed from integers alone);
+experts fed by any other lookup are reported as form "hash_routing".
 """
 
 from __future__ import annotations

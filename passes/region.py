@@ -11,8 +11,8 @@
 Llama4's dense form (every expert runs on the input scaled by a -inf-scattered sigmoid score, outputs summed
 over the expert dimension) has the same anchor and region; `routing` and `experts` recognise it.
 
-Hash routing (DeepSeek-V4's first layers) has no top-k: the ids are looked up by token id and the router's
-scores gathered at them,
+Hash routing (DeepSeek-V4's first layers) has no top-k: the ids are looked up by token id (or computed from
+integers in any other way: a modulo hash, positions) and the router's scores gathered at them,
 
     table [vocab, K] ─ [input_ids] ─(long)─> ids ──────────────────┐ (an input of the block: the op's expert_ids)
     logits ─ sqrt(softplus) | softmax | sigmoid | - ─> gather(1, ids) ─> w0 ─> ... (as above)
@@ -222,28 +222,51 @@ def looked_up_ids(lookup: fx.Node) -> fx.Node:
     return ids
 
 
-def _given_ids_anchor(flow: Dataflow, lookup: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(gather, ids) for hash routing: ids looked up by token id (`looked_up_ids`), read by one ``gather`` along the
-    experts (the router's scores at the given ids: the routing weights) and dispatching to experts; None otherwise
-    (`lone_experts` reports such ids)."""
-    ids = looked_up_ids(lookup)
-    meta = tensor_meta(ids)
-    gathers = [u for u in ids.users if op_name(u) == "gather" and arg(u, 2, "index") is ids]
-    if meta is None or meta.dim() != 2 or not isinstance(meta.shape[1], int) or len(gathers) != 1:
+def _integer_only(flow: Dataflow, node: fx.Node) -> bool:
+    """Whether `node` is computed from integer tensors (token ids, integer tables), sizes and constants alone: no
+    floating-point value (an activation, a weight, router scores) in its ancestry. Stops at the first one found."""
+    seen, work = set(), [node]
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        value = meta_value(n)
+        if any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+               for v in (value if isinstance(value, (list, tuple)) else (value,))):
+            return False
+        work.extend(flow.inputs(n))
+    return True
+
+
+def _given_ids_anchor(flow: Dataflow, gather: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(gather, ids) for given ids: a ``gather`` along the experts at [T, K] integer ids computed from integer inputs
+    alone (`_integer_only`: a table lookup by token id as in DeepSeek-V4's hash routing, a modulo hash, positions),
+    the only gather that reads them, which dispatch to experts; None otherwise. The gather is the router's scores at
+    the given ids (the routing weights; `routing` checks that)."""
+    ids, meta = arg(gather, 2, "index"), tensor_meta(gather)
+    if not isinstance(ids, fx.Node) or arg(gather, 1, "dim") not in (1, -1) or meta is None or meta.dim() != 2:
         return None
-    return (gathers[0], ids) if dispatch_evidence(flow, ids) else None
+    ids_meta = tensor_meta(ids)
+    if (ids_meta is None or ids_meta.dim() != 2 or ids_meta.is_floating_point() or ids_meta.dtype == torch.bool
+            or not isinstance(ids_meta.shape[1], int)):
+        return None
+    if sum(op_name(u) == "gather" for u in ids.users) != 1 or not _integer_only(flow, ids):
+        return None
+    return (gather, ids) if dispatch_evidence(flow, ids) else None
 
 
 def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.Node]]:
     """(anchor, ids) of each candidate block, in graph order: a topk whose indices dispatch to experts, with them;
-    or ids looked up by token id (hash routing) that dispatch, with the gather of router scores at them."""
+    or given ids (computed from integer inputs alone: hash routing) that dispatch, with the gather of router scores
+    at them."""
     found = []
     for n in gm.graph.nodes:
         if op_name(n) == "topk":
             ids = getitem_users(n, 1)
             if len(ids) == 1 and dispatch_evidence(flow, ids[0]):
                 found.append((n, ids[0]))
-        elif is_table_lookup(n) and (given := _given_ids_anchor(flow, n)) is not None:
+        elif op_name(n) == "gather" and (given := _given_ids_anchor(flow, n)) is not None:
             found.append(given)
     return sorted(found, key=lambda pair: flow.order[pair[0]])
 

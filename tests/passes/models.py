@@ -334,6 +334,25 @@ class HashRoutedMoE(StackedGatherMoE):
         return (y.view(T, self.top_k, H) * w.unsqueeze(-1)).sum(dim=1)
 
 
+class ModuloHashMoE(StackedGatherMoE):
+    """Hash routing by arithmetic on token ids, no table: slot k's expert is (a_k * token + b_k) % E, so two slots
+    can name one expert; the router's sigmoid scores there weight them, scaled. Near miss: `variant` "activation"
+    (the hash also adds each token's argmax hidden unit: the ids depend on activations, so nothing gives them)."""
+
+    def __init__(self, variant=None, **kw):
+        super().__init__(**kw)
+        self.variant = variant
+
+    def forward(self, x, token_ids):
+        T, H = x.shape
+        E = self.router.shape[0]
+        keys = token_ids if self.variant is None else token_ids + x.argmax(dim=-1)
+        ids = torch.stack([(keys * a + b) % E for a, b in ((7, 1), (3, 5))[:self.top_k]], dim=-1)
+        w = torch.sigmoid(F.linear(x, self.router)).gather(1, ids) * self.scale
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), ids.reshape(-1))
+        return (y.view(T, self.top_k, H) * w.unsqueeze(-1)).sum(dim=1)
+
+
 class SharedExpertMoE(nn.Module):
     """A routed MoE (stacked weights) plus a shared expert gated by sigmoid(Linear(H, 1)), Qwen2-MoE style."""
 

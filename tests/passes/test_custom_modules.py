@@ -259,6 +259,34 @@ def test_hash_routed_near_misses_untouched(variant, form):
         assert "selection bias" in report.rejected[0].reason, report.rejected[0].reason
 
 
+def test_modulo_hash_module_fused_with_given_ids():
+    """Ids from arithmetic on token ids ((a * token + b) % E per slot, no table): computed from integers alone, so they
+    are given ids too; fused with sigmoid scores at them (sigmoid_grouped_topk with given ids), the hash left in the
+    graph."""
+    module = models.ModuloHashMoE().eval()
+    tokens = _tokens(24)
+    assert ((tokens * 7 + 1) % 8 == (tokens * 3 + 5) % 8).any()  # some token's two slots name one expert
+    (graph,), eager = capture(module, torch.randn(24, 32), tokens)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [(b.fused, b.given_ids) for b in report.blocks] == [(True, True)] and count_fused(gm) == 1, str(report)
+    r = report.blocks[0].routing
+    assert (r.routing, r.renormalize, r.routed_scale) == ("sigmoid_grouped_topk", False, 1.5)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert op.kwargs["expert_ids"].target is torch.stack
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_activation_dependent_hash_untouched():
+    """Near miss: the hash also reads the hidden states (their argmax), so the ids are neither a top-k's nor given:
+    no block is anchored, and the graph stays as it was."""
+    module = models.ModuloHashMoE(variant="activation").eval()
+    (graph,), eager = capture(module, torch.randn(24, 32), _tokens(24))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    _assert_untouched(gm, example, report, eager, candidates=0)
+
+
 def test_shared_expert_stays_outside():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.SharedExpertMoE(), torch.randn(10, 32))
