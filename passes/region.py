@@ -222,21 +222,17 @@ def looked_up_ids(lookup: fx.Node) -> fx.Node:
     return ids
 
 
+def _has_float_value(n: fx.Node) -> bool:
+    """Whether `n` gives a floating-point tensor (alone or among its results)."""
+    value = meta_value(n)
+    return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+               for v in (value if isinstance(value, (list, tuple)) else (value,)))
+
+
 def _integer_only(flow: Dataflow, node: fx.Node) -> bool:
     """Whether `node` is computed from integer tensors (token ids, integer tables), sizes and constants alone: no
-    floating-point value (an activation, a weight, router scores) in its ancestry. Stops at the first one found."""
-    seen, work = set(), [node]
-    while work:
-        n = work.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        value = meta_value(n)
-        if any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
-               for v in (value if isinstance(value, (list, tuple)) else (value,))):
-            return False
-        work.extend(flow.inputs(n))
-    return True
+    floating-point value (an activation, a weight, router scores) in its ancestry (whose walk stops at those)."""
+    return not any(_has_float_value(n) for n in flow.backward_slice([node], _has_float_value))
 
 
 def _given_ids_anchor(flow: Dataflow, gather: fx.Node) -> tuple[fx.Node, fx.Node] | None:

@@ -219,17 +219,21 @@ def test_hash_routed_module_fused_with_given_ids():
     """Experts looked up by token id, weighted by the softmax probabilities gathered at them (softmax_topk with given
     ids): fused; the table lookup stays in the graph as the op's expert_ids."""
     torch.manual_seed(0)
-    module = models.HashRoutedMoE().eval()
-    (graph,), eager = capture(module, torch.randn(24, 32), _tokens(24))
+    routing, lookup = _fused_with_given_ids(models.HashRoutedMoE(), _tokens(24))
+    assert (routing.routing, routing.renormalize, routing.routed_scale) == ("softmax_topk", True, 1.5)
+    assert lookup.target is operator.getitem and "table" in lookup.args[0].name
+
+
+def _fused_with_given_ids(module, tokens):
+    """Fuse `module` (x [24, 32], token ids): one block, fused with given ids, the graph's output as eager's.
+    Returns its RoutingSpec and the node the op takes as expert_ids."""
+    (graph,), eager = capture(module.eval(), torch.randn(24, 32), tokens)
     gm, example = graph
     report = fuse_moe(gm, example)
     assert [(b.fused, b.given_ids) for b in report.blocks] == [(True, True)] and count_fused(gm) == 1, str(report)
-    r = report.blocks[0].routing
-    assert (r.routing, r.renormalize, r.routed_scale) == ("softmax_topk", True, 1.5)
     (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
-    lookup = op.kwargs["expert_ids"]
-    assert lookup.target is operator.getitem and "table" in lookup.args[0].name
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    return report.blocks[0].routing, op.kwargs["expert_ids"]
 
 
 class _Submodule(torch.nn.Module):
@@ -263,18 +267,11 @@ def test_modulo_hash_module_fused_with_given_ids():
     """Ids from arithmetic on token ids ((a * token + b) % E per slot, no table): computed from integers alone, so they
     are given ids too; fused with sigmoid scores at them (sigmoid_grouped_topk with given ids), the hash left in the
     graph."""
-    module = models.ModuloHashMoE().eval()
     tokens = _tokens(24)
     assert ((tokens * 7 + 1) % 8 == (tokens * 3 + 5) % 8).any()  # some token's two slots name one expert
-    (graph,), eager = capture(module, torch.randn(24, 32), tokens)
-    gm, example = graph
-    report = fuse_moe(gm, example)
-    assert [(b.fused, b.given_ids) for b in report.blocks] == [(True, True)] and count_fused(gm) == 1, str(report)
-    r = report.blocks[0].routing
-    assert (r.routing, r.renormalize, r.routed_scale) == ("sigmoid_grouped_topk", False, 1.5)
-    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
-    assert op.kwargs["expert_ids"].target is torch.stack
-    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    routing, ids = _fused_with_given_ids(models.ModuloHashMoE(), tokens)
+    assert (routing.routing, routing.renormalize, routing.routed_scale) == ("sigmoid_grouped_topk", False, 1.5)
+    assert ids.target is torch.stack
 
 
 def test_activation_dependent_hash_untouched():
