@@ -1,7 +1,7 @@
 """The detection + rewrite pass: every provable MoE block becomes one `torch.ops.mok.fused_moe`.
 
-For each top-k that dispatches to experts, and each set of expert ids looked up by token id
-(hash routing) (`region.block_anchors`):
+For each top-k that dispatches to experts, and each set of given expert ids (computed from integers
+alone, as hash routing's lookup by token id) that the router's scores are gathered at (`region.block_anchors`):
 find the block's nodes (`region`), read its routing (`routing`) and expert
 math (`experts`, `loop_experts`), decide which values survive (`rewrite.plan_rewrite`),
 prove the op computes the same thing on random inputs (`validate`), then

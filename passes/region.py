@@ -118,7 +118,7 @@ class Region:
     H: int = 0
     E: int = 0
     K: int = 0
-    given_ids: bool = False          # ids looked up by token id (hash routing), not chosen by a top-k
+    given_ids: bool = False          # ids computed from integers alone (hash routing), not chosen by a top-k
 
     @property
     def topk(self) -> fx.Node | None:

@@ -205,8 +205,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
 
 def _check_expert_ids(ids, x, top_k, selection_bias, n_group):
     """Given expert ids: [T, top_k] integers on x's device, and nothing else that chooses. Their values (each in
-    [0, E)) are checked by the CPU kernels; on CUDA that would need a host sync, and an id out of range is the
-    caller's error, as for HF's own gather."""
+    [0, E)) are checked by the CPU kernels; on CUDA that would need a host sync, so there an id out of range is the
+    caller's error (the routing kernel clamps it; HF's own gather would stop on a device-side assert)."""
     if ids.dim() != 2 or ids.shape[1] != top_k:
         _fail(f"expert_ids must be [T, top_k={top_k}], got shape {tuple(ids.shape)}")
     _check(ids.shape[0] == x.shape[0], f"expert_ids has {ids.shape[0]} rows but hidden_states has {x.shape[0]}")
