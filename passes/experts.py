@@ -258,7 +258,9 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
         if meta.dtype != x_meta.dtype:
             raise NoMatch(f"expert weight {w.name} has dtype {meta.dtype}, hidden states {x_meta.dtype}")
         if not same(meta.shape[0], E):
-            raise NoMatch(f"expert weight {w.name} has {meta.shape[0]} experts, the router {E}")
+            extra = ("; router outputs past the experts (LongCat-Flash's zero-computation experts, which pass the "
+                     "token through) are not computed by the op" if _more_router_outputs(meta.shape[0], E) else "")
+            raise NoMatch(f"expert weight {w.name} has {meta.shape[0]} experts, the router {E}{extra}")
     bias_role = {}
     for b in biases2d:
         used = flow.forward_slice([b], within=region.nodes)
@@ -297,6 +299,10 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
              for t, _ in layouts]
     return ExpertsMatch(form=form, gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
                         down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs)
+
+
+def _more_router_outputs(experts, router) -> bool:
+    return isinstance(experts, int) and isinstance(router, int) and router > experts
 
 
 def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> ExpertsMatch:

@@ -287,6 +287,14 @@ def router_weight(router_linear: fx.Node):
     return strip(w, CAST_OPS)
 
 
+def shape_kept(n: fx.Node) -> bool:
+    """A view or reshape whose output has its input's shape (``scores.view(-1, E)`` of [T, E] scores)."""
+    if op_name(n) not in ("view", "reshape"):
+        return False
+    out, src = tensor_meta(n), tensor_meta(n.args[0])
+    return out is not None and src is not None and same_shape(out.shape, src.shape)
+
+
 def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
     """(router linear, logits) behind a topk (or a gather of scores at given ids): walk back through score ops to a
     linear (or an fp32-out mm)."""
@@ -295,7 +303,7 @@ def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
         name = op_name(n)
         if name == "linear" or _fp32_router_mm(n):
             return n, n
-        if name in _ROUTER_CHAIN_OPS and isinstance(n.args[0], fx.Node):
+        if isinstance(n.args[0], fx.Node) and (name in _ROUTER_CHAIN_OPS or shape_kept(n)):
             n = n.args[0]
             continue
         break

@@ -39,7 +39,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
 from .op_names import CAST_OPS, VIEW_OPS, arg, number, op_name, tensor_meta
-from .region import NoMatch, Region, getitem_users, router_weight, strip, topk_k
+from .region import NoMatch, Region, getitem_users, router_weight, shape_kept, strip, topk_k
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def _score_chain(region: Region):
             selection_bias = _selection_bias(region, n.args[1])
         elif name == "masked_fill":
             masked = n
-        elif name not in CAST_OPS:
+        elif name not in CAST_OPS and not shape_kept(n):
             raise NoMatch(f"router op {name!r} is not supported")
     return routing, softmax_fp32, selection_bias, scores, masked
 

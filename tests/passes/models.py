@@ -197,6 +197,28 @@ class BiasedWeightsMoE(BiasedSoftmaxMoE):
         return self.renormalise(w).to(x.dtype), ids.reshape(-1)
 
 
+class ViewedScoresMoE(StackedGatherMoE):
+    """The scores viewed to their own shape before the selection bias is added (``scores.view(-1, E) + bias``, as
+    LongCat-Flash's router and earlier DeepSeek-V3 code write it): the view changes nothing."""
+
+    def choice(self, scores):
+        return scores.view(-1, self.router.shape[0]) + self.choice_bias
+
+    def route(self, x):
+        scores = F.linear(x, self.router).float().sigmoid()
+        ids = torch.topk(self.choice(scores), self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
+
+
+class ScrambledScoresMoE(ViewedScoresMoE):
+    """Near miss: the scores transposed to [E, T] and reshaped back to [T, E] before the top-k, which mixes tokens'
+    scores (a reshape to a new shape is not walked through)."""
+
+    def choice(self, scores):
+        return scores.t().reshape(-1, self.router.shape[0]) + self.choice_bias
+
+
 class BiasedSigmoidTopKMoE(StackedGatherMoE):
     """Kolibri1's routing: fp32 logits, experts chosen on logits + bias, sigmoid of the unbiased chosen logits,
     renormalised."""

@@ -101,6 +101,23 @@ def test_selection_bias_and_sigmoid_topk_routing(module, want):
         assert not torch.equal(torch.topk(probs, 2).indices, torch.topk(probs + module.choice_bias, 2).indices)
 
 
+def test_scores_viewed_to_their_own_shape_fused():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.ViewedScoresMoE(), torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
+    assert op.args[3] is not None  # the selection bias
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_scores_reshaped_across_tokens_untouched():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.ScrambledScoresMoE(), torch.randn(24, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    reason = report.rejected[0].reason
+    assert "router logits do not come from a linear layer in this graph (found reshape" in reason, reason
+
+
 def _check_fp32_mm_router(report, gm):
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     spec = report.blocks[0].routing

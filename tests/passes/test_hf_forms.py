@@ -1,6 +1,7 @@
 """fuse_moe on transformers 5.x MoE blocks and models: grouped_mm (bf16), grouped_mm_fallback (fp32), batched_mm."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -386,6 +387,80 @@ def test_lfm2_moe_block_fused(dtype, expert_bias):
     assert (r.routing, r.softmax_fp32, r.renormalize, r.renorm_eps, r.routed_scale) == (
         "sigmoid_grouped_topk", dtype == torch.float32, True, 1e-6, 1.5)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+# Blocks of transformers 5.25 model types checked by the survey of NOTES v55, each from its default config cut to
+# hidden 64, 8 experts, top-2: (model type, modeling module, block class, what the pass should read off the graph
+# (routing, renormalize), the block's other constructor arguments).
+MORE_TYPES = [
+    ("dots1", "dots1", "Dots1MoE", ("sigmoid_grouped_topk", False), {}),
+    ("step3p7", "step3p7", "Step3p7SparseMoeBlock", ("sigmoid_grouped_topk", True), {"layer_idx": 0}),
+    ("kimi_linear", "kimi_linear", "KimiLinearMoE", ("sigmoid_grouped_topk", True), {}),
+    ("bailing_hybrid", "bailing_hybrid", "BailingHybridMoE", ("sigmoid_grouped_topk", True), {"layer_idx": 0}),
+    ("glm_moe_dsa", "glm_moe_dsa", "GlmMoeDsaMoE", ("sigmoid_grouped_topk", True), {}),
+    ("minimax_m3_vl", "minimax_m3_vl", "MiniMaxM3VLSparseMoeBlock", ("sigmoid_grouped_topk", True), {}),
+    ("granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridMoE", ("topk_softmax", False), {}),
+    ("qwen4_exp", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock", ("softmax_topk", True), {}),
+    ("qwen3_omni_moe", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock", ("softmax_topk", True), {}),
+    ("ernie4_5_vl_moe", "ernie4_5_vl_moe", "Ernie4_5_VLMoeMoeBlock", ("softmax_topk", True), {}),  # text tokens
+]
+_CUT = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            n_routed_experts=8, num_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
+            moe_k=2, n_group=1, topk_group=1, n_shared_experts=1, num_shared_experts=1)
+
+
+def _text_config(model_type):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    while getattr(config, "thinker_config", None) is not None or getattr(config, "text_config", None) is not None:
+        config = getattr(config, "thinker_config", None) or config.text_config
+    for name, value in _CUT.items():
+        if getattr(config, name, "absent") != "absent" and not isinstance(getattr(config, name), (bool, float)):
+            setattr(config, name, [value, value // 2] if isinstance(getattr(config, name), list) else value)
+    return config
+
+
+@pytest.mark.parametrize("model_type,module,block,want,kwargs", MORE_TYPES, ids=[t[0] for t in MORE_TYPES])
+def test_more_hf_types_block_fused(model_type, module, block, want, kwargs):
+    """One block of each: fused, its routing read off the graph, the output equal to the block's own."""
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    block_cls = functools.partial(getattr(modeling, block), **kwargs)
+    _, x, gm, example, routing, eager = _fused_block(block_cls, _text_config(model_type), torch.float32)
+    assert (routing.routing, routing.renormalize) == want
+    torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[torch.float32])
+
+
+def _longcat_block(zero_experts, dtype=torch.float32):
+    modeling = pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash")
+    config = modeling.LongcatFlashConfig(hidden_size=64, expert_ffn_hidden_size=32, n_routed_experts=8,
+                                         zero_expert_num=zero_experts, num_experts_per_tok=2, routed_scaling_factor=2.0)
+    return modeling.LongcatFlashMoE, config
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_longcat_flash_block_without_zero_experts_fused(dtype):
+    """LongcatFlashMoE without zero-computation experts: an fp32 softmax router whose scores are viewed to their own
+    shape before the selection bias is added, scaled weights."""
+    block_cls, config = _longcat_block(0)
+    _, x, gm, example, routing, eager = _fused_block(block_cls, config, dtype)
+    assert (routing.routing, routing.router_fp32, routing.routed_scale) == ("softmax_topk", dtype != torch.float32,
+                                                                             2.0)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+def test_longcat_flash_zero_computation_experts_not_fused():
+    """Near miss: LongCat-Flash's zero-computation experts (router outputs past the experts' count; a token sent to
+    one passes through, weighted) are not computed by the op: the block is left as it is, with that reason."""
+    block_cls, config = _longcat_block(4)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(block_cls(config)).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
+    assert "has 8 experts, the router 12; router outputs past the experts" in report.blocks[0].reason, str(report)
+    torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renorm", "no_renorm"])
