@@ -193,8 +193,8 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
                 return True
         if name in ("getitem", "index_select") and isinstance(n.args[0], fx.Node) and n.args[0] not in seen:
             base = tensor_meta(n.args[0])
-            if base is not None and base.dim() == 3:
-                return True
+            if base is not None and base.dim() == 3 and base.is_floating_point():
+                return True  # stacked expert weights (not integer tables: GLM-5-Next's indexer picks pools' indices)
         if name in MATMUL_OPS:
             continue
         work.extend(flow.readers(n))
@@ -293,6 +293,16 @@ def shape_kept(n: fx.Node) -> bool:
         return False
     out, src = tensor_meta(n), tensor_meta(n.args[0])
     return out is not None and src is not None and same_shape(out.shape, src.shape)
+
+
+def _router_input(node: fx.Node) -> fx.Node:
+    """The router's input past casts and the views that keep its shape between them (Inkling2 routes on
+    ``x.float().reshape(-1, H)`` of its [T, H] x): the tokens the experts read too."""
+    while True:
+        node = strip(node, CAST_OPS)
+        if not shape_kept(node):
+            return node
+        node = node.args[0]
 
 
 def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -455,7 +465,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     given = op_name(anchor) != "topk"
     router_linear, logits = find_router(anchor)
     lmeta = tensor_meta(logits)
-    x = strip(router_linear.args[0], CAST_OPS)
+    x = _router_input(router_linear.args[0])
     x_meta = tensor_meta(x)
     if lmeta is None or x_meta is None:
         raise NoMatch("graph has no shape metadata (pass example_inputs or trace with Dynamo)")
@@ -490,4 +500,23 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
         return Region(anchor=anchor, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root, out=out,
                       nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed, T=x_meta.shape[0],
                       H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given)
-    raise NoMatch(reasons[-1] if reasons else "found no combined [tokens, hidden] output of the experts")
+    if reasons:
+        raise NoMatch(reasons[-1])
+    foreign = _foreign_activation(flow, ids, clean)
+    if foreign is not None:
+        raise NoMatch(f"the experts compute on {foreign} and the router on {root}, another tensor: a router and "
+                      "experts with different inputs are not supported")
+    raise NoMatch("found no combined [tokens, hidden] output of the experts")
+
+
+def _foreign_activation(flow: Dataflow, ids: fx.Node, clean: set[fx.Node]) -> fx.Node | None:
+    """The first activation the dispatched ids meet that does not come from the router's input (Gemma 4's experts
+    read a second normalisation of the residual, its router the first): an input, neither clean nor computed from
+    the ids, of a node computed from the ids; None if there is none."""
+    reach = flow.forward_slice([ids])
+    for n in flow.sorted(reach):
+        for a in flow.inputs(n):
+            meta = tensor_meta(a)
+            if a not in clean and a not in reach and meta is not None and meta.is_floating_point() and meta.dim() >= 2:
+                return a
+    return None

@@ -211,6 +211,17 @@ class ViewedScoresMoE(StackedGatherMoE):
         return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
 
 
+class CastThenViewRouterMoE(StackedGatherMoE):
+    """The router reads its input cast to fp32 and then reshaped to its own shape (Inkling2's
+    ``F.linear(x.float().reshape(-1, H), W)``): the experts read the uncast x."""
+
+    def route(self, x):
+        scores = F.linear(x.float().reshape(-1, x.shape[-1]), self.router.float()).sigmoid()
+        ids = torch.topk(scores + self.choice_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        return (w / w.sum(dim=-1, keepdim=True) * self.scale).to(x.dtype), ids.reshape(-1)
+
+
 class ScrambledScoresMoE(ViewedScoresMoE):
     """Near miss: the scores transposed to [E, T] and reshaped back to [T, E] before the top-k, which mixes tokens'
     scores (a reshape to a new shape is not walked through)."""
@@ -540,15 +551,17 @@ class TopKAttentionThenMoE(nn.Module):
     through a grouped-matmul MoE: the attention's indices reach the MoE's expert GEMMs only through activations, so
     only the MoE's top-k is a block."""
 
-    def __init__(self, hidden=32, keys=4):
+    def __init__(self, hidden=32, keys=4, pooled=False):
         super().__init__()
-        self.keys = keys
+        self.keys, self.pooled = keys, pooled
         self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
         self.moe = SentinelMaskMoE(hidden, matmul="grouped")
 
     def forward(self, x):  # x: [T, H]
         q, k, v = self.q(x), self.k(x), self.v(x)
         ids = (q @ k.t()).topk(self.keys, dim=-1).indices  # [T, keys]
+        if self.pooled:  # the chosen pools' key positions read from a 3-D integer table (GLM-5-Next's indexer)
+            ids = torch.arange(x.shape[0], device=x.device).view(-1, 1, 1)[ids].flatten(1)
         att = torch.softmax((k[ids] @ q.unsqueeze(-1)).squeeze(-1), dim=-1)
         h = x + self.o((att.unsqueeze(-1) * v[ids]).sum(dim=1))
         return h + self.moe(h)

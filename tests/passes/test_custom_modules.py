@@ -110,6 +110,16 @@ def test_scores_viewed_to_their_own_shape_fused():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_router_input_cast_then_viewed_fused(dtype):
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.CastThenViewRouterMoE().to(dtype), torch.randn(24, 32, dtype=dtype))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].routing.router_fp32 is (dtype != torch.float32)
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(run(gm, example)[0], eager, **tol)
+
+
 def test_scores_reshaped_across_tokens_untouched():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.ScrambledScoresMoE(), torch.randn(24, 32))
@@ -400,11 +410,13 @@ def test_residual_sum_stays_outside_the_block():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
-def test_sparse_attention_top_k_before_an_moe_is_not_a_block():
+@pytest.mark.parametrize("pooled", [False, True], ids=["keys", "pools"])
+def test_sparse_attention_top_k_before_an_moe_is_not_a_block(pooled):
     """The attention's top-k indices reach the MoE's grouped GEMMs through the attention's matmuls and the residual:
-    not an expert choice. The MoE is fused, nothing else is reported."""
+    not an expert choice; nor does indexing a 3-D integer table with them make one. The MoE is fused, nothing else
+    is reported."""
     torch.manual_seed(0)  # bf16: torch._grouped_mm's only dtype here
-    module = models.TopKAttentionThenMoE().to(torch.bfloat16)
+    module = models.TopKAttentionThenMoE(pooled=pooled).to(torch.bfloat16)
     gm, example, report, eager = _fuse(module, torch.randn(12, 32, dtype=torch.bfloat16))
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     assert sum(1 for n in gm.graph.nodes if "topk" in str(n.target)) == 1  # the attention's, left in place

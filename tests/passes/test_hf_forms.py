@@ -463,6 +463,27 @@ def test_longcat_flash_zero_computation_experts_not_fused():
     torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
 
 
+def test_gemma4_moe_not_fused_router_and_experts_read_different_inputs():
+    """Near miss: Gemma 4's decoder layer routes on one normalisation of the residual and runs its experts on
+    another (and scales the weights per expert): left as it is, with the reason naming both inputs."""
+    modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    from transformers import AutoModelForCausalLM
+
+    config = modeling.Gemma4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, enable_moe_block=True, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=32, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=32, pad_token_id=0)
+    model = init_moe_weights_(AutoModelForCausalLM.from_config(config)).eval()
+    model.set_experts_implementation("grouped_mm")
+    (graph,), eager = capture(model, torch.randint(0, 128, (2, 7)), use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False, False] and count_fused(gm) == 0, str(report)
+    assert all("a router and experts with different inputs are not supported" in b.reason for b in report.blocks)
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False], ids=["renorm", "no_renorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_kolibri1_block_fused(dtype, norm_topk_prob):
