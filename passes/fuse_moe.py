@@ -161,7 +161,7 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     plan = plan_rewrite(flow, region, exportable, _expert_inputs(experts))
     routing = router.spec
     router_arg, router_bias = router.weight, router.bias
-    if plan.router_is_logits:
+    if plan.router_is_logits or region.router_linear is None:
         routing = replace(routing, router_is_logits=True, router_fp32=False)
         router_arg, router_bias = region.logits, None
     report.routing = routing
@@ -175,6 +175,8 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
         chosen = experts.specs[0]
     else:
         roles = {**_roles(router, experts), **({region.ids: "expert_ids"} if given else {})}
+        if region.router_linear is None:
+            roles[region.logits] = "router_logits"
         for spec in experts.specs:
             kw = {**op_kwargs(routing, spec), **given, "_intermediate": experts.intermediate}
             why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache)

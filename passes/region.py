@@ -107,8 +107,8 @@ class Region:
     anchor: fx.Node                  # the selection topk, or with `given_ids` the gather of router scores at the ids
     ids: fx.Node                     # topk indices [T, K], or the given ids (an input of the block)
     logits: fx.Node                  # router logits [T, E]
-    router_linear: fx.Node           # the linear producing the logits
-    x: fx.Node                       # hidden states [T, H] in the experts' dtype (router input minus casts)
+    router_linear: fx.Node | None    # the linear producing the logits; None: the logits are an input of the block
+    x: fx.Node                       # hidden states [T, H] the experts compute on (router input minus casts)
     root: fx.Node                    # x minus views: the block's activation input
     out: fx.Node                     # combined routed output [T, H] (or root's shape)
     nodes: set[fx.Node]              # everything computed inside the block (prep views included)
@@ -324,12 +324,12 @@ def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
 # ----------------------------------------------------------------------------- region
 
 
-def _activation_clean(gm: fx.GraphModule, flow: Dataflow, root: fx.Node) -> set[fx.Node]:
-    """Nodes whose values depend on activations only through `root` (weights and sizes may come from anywhere)."""
+def _activation_clean(gm: fx.GraphModule, flow: Dataflow, roots: set[fx.Node]) -> set[fx.Node]:
+    """Nodes whose values depend on activations only through `roots` (weights and sizes may come from anywhere)."""
     clean: set[fx.Node] = set()
-    start = flow.order[root]
+    start = min(flow.order[r] for r in roots)
     for n in gm.graph.nodes:
-        if _is_source(n) or n is root:
+        if _is_source(n) or n in roots:
             clean.add(n)
         elif flow.order[n] > start and all(i in clean for i in flow.inputs(n)):
             clean.add(n)
@@ -471,52 +471,83 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
         raise NoMatch("graph has no shape metadata (pass example_inputs or trace with Dynamo)")
     if x_meta.dim() != 2 or lmeta.dim() != 2:
         raise NoMatch(f"router input has shape {tuple(x_meta.shape)}; expected a 2-D [tokens, hidden] input")
-    root = strip(x, VIEW_OPS)
-    root_meta = tensor_meta(root)
-    clean = _activation_clean(gm, flow, root)
     if anchors is None:
         anchors = block_anchors(gm, flow)
-    later_blocks = flow.forward_slice([a for a, _ in anchors if a is not anchor and a in clean])
-    reasons = []
-    candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
-    is_input = lambda n: _is_source(n) or (given and n is ids)  # noqa: E731
-    stop = lambda n: is_input(n) or n is root  # noqa: E731
-    routing_side = flow.backward_slice([anchor], stop)
-    for out in candidates[:64]:
-        sliced = _close_over_writes(flow, flow.backward_slice([out], stop), out, stop, clean)
-        inputs = {n for n in sliced if is_input(n)} - {root}
-        nodes = sliced - inputs - {root}
-        if anchor not in nodes or router_linear not in nodes:
-            continue
-        try:
-            routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
-            _check_closed(flow, out, nodes, inputs, routing_side, root)
-        except NoMatch as err:
-            reasons.append(str(err))
-            continue
-        k = tensor_meta(ids).shape[1] if given else topk_k(anchor)
-        if k is None:
-            raise NoMatch("top-k size is not a constant")
-        return Region(anchor=anchor, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root, out=out,
-                      nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed, T=x_meta.shape[0],
-                      H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given)
-    if reasons:
-        raise NoMatch(reasons[-1])
-    foreign = _foreign_activation(flow, ids, clean)
-    if foreign is not None:
-        raise NoMatch(f"the experts compute on {foreign} and the router on {root}, another tensor: a router and "
-                      "experts with different inputs are not supported")
-    raise NoMatch("found no combined [tokens, hidden] output of the experts")
+    search = _RegionSearch(gm, flow, anchor, ids, anchors, logits, given)
+    region = search.around(x, router_linear)
+    if region is not None:
+        return region
+    # The experts may compute on another tensor than the router reads (Gemma 4 normalises the residual twice, a
+    # router may read a detached copy): the logits are then an input of the block, as the op's router argument
+    # (router_is_logits), and what computes them stays in the graph.
+    first = search.reasons
+    foreign = _foreign_activation(flow, ids, search.clean, strip(x, VIEW_OPS), lmeta.shape[0])
+    if foreign is None:
+        raise NoMatch(first[-1] if first else "found no combined [tokens, hidden] output of the experts")
+    search.reasons = []
+    region = search.around(foreign, None)
+    if region is not None:
+        return region
+    raise NoMatch(search.reasons[-1] if search.reasons else first[-1] if first else
+                  f"found no combined [tokens, hidden] output of the experts computing on {foreign}")
 
 
-def _foreign_activation(flow: Dataflow, ids: fx.Node, clean: set[fx.Node]) -> fx.Node | None:
-    """The first activation the dispatched ids meet that does not come from the router's input (Gemma 4's experts
-    read a second normalisation of the residual, its router the first): an input, neither clean nor computed from
-    the ids, of a node computed from the ids; None if there is none."""
+class _RegionSearch:
+    """The candidate outputs of one anchor's block tried, latest first, for a given activation input."""
+
+    def __init__(self, gm, flow, anchor, ids, anchors, logits, given):
+        self.gm, self.flow, self.anchor, self.ids, self.anchors = gm, flow, anchor, ids, anchors
+        self.logits, self.given, self.reasons, self.clean = logits, given, [], set()
+
+    def around(self, x: fx.Node, router_linear: fx.Node | None) -> Region | None:
+        """The region whose activation input is `x` (its views stripped: the root): the router's input with the
+        router linear inside, or (`router_linear` None) the experts' input with the logits outside."""
+        flow, anchor, ids, logits, given = self.flow, self.anchor, self.ids, self.logits, self.given
+        x_meta, lmeta = tensor_meta(x), tensor_meta(logits)
+        root = strip(x, VIEW_OPS)
+        root_meta = tensor_meta(root)
+        outside = {logits} if router_linear is None else set()
+        clean = _activation_clean(self.gm, flow, {root} | outside)
+        if router_linear is not None:
+            self.clean = clean
+        later_blocks = flow.forward_slice([a for a, _ in self.anchors if a is not anchor and a in clean])
+        candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
+        is_input = lambda n: _is_source(n) or (given and n is ids) or n in outside  # noqa: E731
+        stop = lambda n: is_input(n) or n is root  # noqa: E731
+        routing_side = flow.backward_slice([anchor], stop)
+        for out in candidates[:64]:
+            sliced = _close_over_writes(flow, flow.backward_slice([out], stop), out, stop, clean)
+            inputs = {n for n in sliced if is_input(n)} - {root}
+            nodes = sliced - inputs - {root}
+            if anchor not in nodes or (router_linear is not None and router_linear not in nodes):
+                continue
+            if router_linear is None and logits not in inputs:
+                continue
+            try:
+                routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
+                _check_closed(flow, out, nodes, inputs, routing_side, root)
+            except NoMatch as err:
+                self.reasons.append(str(err))
+                continue
+            k = tensor_meta(ids).shape[1] if given else topk_k(anchor)
+            if k is None:
+                raise NoMatch("top-k size is not a constant")
+            return Region(anchor=anchor, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root,
+                          out=out, nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed,
+                          T=x_meta.shape[0], H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given)
+        return None
+
+
+def _foreign_activation(flow: Dataflow, ids: fx.Node, clean: set[fx.Node], root: fx.Node, T) -> fx.Node | None:
+    """The [T, H] activation the experts compute on where it is not the router's input `root` (Gemma 4's experts
+    read a second normalisation of the residual, its router the first): behind the values the dispatched ids meet,
+    the one activation of T rows other than `root` that is not clean (computed from other activations) or is a
+    graph input (a module compiled alone takes its activation as a placeholder, as it takes its weights); None if
+    there is none, or several."""
     reach = flow.forward_slice([ids])
-    for n in flow.sorted(reach):
-        for a in flow.inputs(n):
-            meta = tensor_meta(a)
-            if a not in clean and a not in reach and meta is not None and meta.is_floating_point() and meta.dim() >= 2:
-                return a
-    return None
+    met = {a for n in reach for a in flow.inputs(n) if a not in reach}
+    behind = flow.backward_slice(met, lambda m: m not in clean or m.op == "placeholder" or m is root)
+    found = [m for m in flow.sorted(behind)
+             if m is not root and (m not in clean or m.op == "placeholder") and (meta := tensor_meta(m)) is not None
+             and meta.is_floating_point() and meta.dim() == 2 and same(meta.shape[0], T)]
+    return found[0] if len(found) == 1 else None

@@ -123,13 +123,17 @@ def _single_user(node: fx.Node, region: Region) -> fx.Node | None:
 def match_router(region: Region) -> RouterMatch:
     x_dtype = tensor_meta(region.x).dtype
     lin = region.router_linear
-    weight = router_weight(lin)
-    bias = arg(lin, 2, "bias") if op_name(lin) == "linear" else None
-    bias = strip(bias, CAST_OPS) if isinstance(bias, fx.Node) else None
+    if lin is None:  # the logits are an input of the block: the op's router argument (router_is_logits)
+        weight, bias = region.logits, None
+    else:
+        weight = router_weight(lin)
+        bias = arg(lin, 2, "bias") if op_name(lin) == "linear" else None
+        bias = strip(bias, CAST_OPS) if isinstance(bias, fx.Node) else None
     for name, t in (("router weight", weight), ("router bias", bias)):
         if t is not None and t not in region.inputs:
             raise NoMatch(f"{name} ({t.name}) is computed inside the block")
-    router_fp32 = tensor_meta(region.logits).dtype == torch.float32 and x_dtype != torch.float32
+    router_fp32 = (lin is not None and tensor_meta(region.logits).dtype == torch.float32
+                   and x_dtype != torch.float32)
     E, K = int(region.E), region.K
     if region.given_ids:
         return _match_given_ids(region, weight, bias, router_fp32)
@@ -246,6 +250,9 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         elif name in CAST_OPS and u.args[0] is w:
             if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
                 stage = 4
+        elif name == "mul" and _per_expert(region, u.args[1] if u.args[0] is w else u.args[0]):
+            raise NoMatch("the routing weights are multiplied by a per-expert tensor gathered at the expert ids "
+                          "(Gemma 4's per_expert_scale): the op has no per-expert weight scale")
         else:
             break
         w = u
@@ -256,6 +263,15 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
                        weights_fp32=weights_fp32, **groups)
     return spec, w
+
+
+def _per_expert(region: Region, t) -> bool:
+    """``v[ids]``: a 1-D tensor indexed by the block's expert ids."""
+    t = strip(t, CAST_OPS)
+    if not isinstance(t, fx.Node) or op_name(t) != "getitem" or not isinstance(t.args[0], fx.Node):
+        return False
+    base = tensor_meta(t.args[0])
+    return base is not None and base.dim() == 1 and strip(t.args[1], CAST_OPS) is region.ids
 
 
 def _sqrt_softplus_fp32(sqrt: fx.Node) -> bool:

@@ -261,7 +261,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
     counters["mok"]["probe_runs"] += 1
     H = concrete(region.H)
     inter = max(1, kwargs.get("_intermediate", H))
-    std = {"hidden": 1.0, "router": 2.0 / math.sqrt(H), "router_bias": 0.5, "selection_bias": 0.2,
+    std = {"hidden": 1.0, "router": 2.0 / math.sqrt(H), "router_logits": 2.0, "router_bias": 0.5, "selection_bias": 0.2,
            "gate_up": 3.0 / math.sqrt(H), "gate_up_bias": 0.1, "down": 1.0 / math.sqrt(inter), "down_bias": 0.1}
     op_kw = {k: v for k, v in kwargs.items() if not k.startswith("_")}
     nodes = flow.sorted(region.nodes)

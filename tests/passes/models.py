@@ -222,6 +222,33 @@ class CastThenViewRouterMoE(StackedGatherMoE):
         return (w / w.sum(dim=-1, keepdim=True) * self.scale).to(x.dtype), ids.reshape(-1)
 
 
+class SeparateRouterInputMoE(StackedGatherMoE):
+    """The router reads another tensor than the experts: an RMS-normalised copy of x (as Gemma 4 routes on one
+    normalisation of the residual and computes its experts on another), or ``x.detach()`` (no gradient from the
+    router into x). The logits are then the op's router argument, computed in the graph."""
+
+    def __init__(self, router_input="normed", **kw):
+        super().__init__(**kw)
+        self.router_input = router_input
+
+    def route(self, x):
+        if self.router_input == "detached":
+            return super().route(x.detach())
+        return super().route(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class TwoActivationExpertsMoE(StackedGatherMoE):
+    """Near miss: routed on one input (z), the experts compute on another (x), and each slot's output is also
+    multiplied by z: the experts read two activations, which the op does not take."""
+
+    def forward(self, x, z):
+        T, H = x.shape
+        w, flat = self.route(z)
+        y = self.experts(x.repeat_interleave(self.top_k, dim=0), flat) * z.repeat_interleave(self.top_k, dim=0)
+        y = y.view(T, self.top_k, H) * w.unsqueeze(-1).to(y.dtype)
+        return y.sum(dim=1)
+
+
 class ScrambledScoresMoE(ViewedScoresMoE):
     """Near miss: the scores transposed to [E, T] and reshaped back to [T, E] before the top-k, which mixes tokens'
     scores (a reshape to a new shape is not walked through)."""

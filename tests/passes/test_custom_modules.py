@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from mok_compile.passes import MoeFusionError, fuse_moe
+from mok_compile.passes.op_names import tensor_meta
 
 from . import models
 from .helpers import capture, count_fused, ops_in, run
@@ -118,6 +119,39 @@ def test_router_input_cast_then_viewed_fused(dtype):
     assert report.blocks[0].routing.router_fp32 is (dtype != torch.float32)
     tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(run(gm, example)[0], eager, **tol)
+
+
+@pytest.mark.parametrize("router_input", ["normed", "detached"])
+def test_router_on_another_input_fused_with_its_logits(router_input):
+    """The router reads another tensor than the experts: the op takes the graph's logits (router_is_logits) and
+    the experts' input; outputs and every gradient (the router's through the graph, x's through both paths or only
+    the experts') equal eager's."""
+    torch.manual_seed(0)
+    module = models.SeparateRouterInputMoE(router_input=router_input)
+    gm, example, report, eager = _fuse(module, torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].routing.router_is_logits
+    op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
+    assert op.args[1].op != "placeholder" and tuple(tensor_meta(op.args[1]).shape) == (24, 8)  # the logits
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    x = torch.randn(24, 32, requires_grad=True)
+    at = [i for i, e in enumerate(example) if not isinstance(e, torch.nn.Parameter)]
+    assert len(at) == 1
+    params = [e for e in example if isinstance(e, torch.nn.Parameter)]
+    grads = []
+    for call in (lambda: _first(gm(*[x if i == at[0] else e for i, e in enumerate(example)])), lambda: module(x)):
+        grads.append(torch.autograd.grad(call().pow(2).sum(), [x, *params], allow_unused=True))
+    for fused, eager_grad in zip(*grads):
+        torch.testing.assert_close(fused, eager_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_on_two_activations_untouched():
+    torch.manual_seed(0)
+    module = models.TwoActivationExpertsMoE().eval()
+    (graph,), eager = capture(module, torch.randn(24, 32), torch.randn(24, 32))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    _assert_untouched(gm, example, report, eager, candidates=1)
 
 
 def test_scores_reshaped_across_tokens_untouched():
