@@ -22,9 +22,9 @@ def capture_dynamic_output_shapes():
         yield
 
 
-def _fuse(module, x, **kwargs):
+def _fuse(module, *inputs, **kwargs):
     torch.manual_seed(0)
-    (graph,), eager = capture(module.eval(), x)
+    (graph,), eager = capture(module.eval(), *inputs)
     gm, example = graph
     report = fuse_moe(gm, example, **kwargs)
     return gm, example, report, eager
@@ -147,10 +147,7 @@ def test_router_on_another_input_fused_with_its_logits(router_input):
 
 def test_experts_on_two_activations_untouched():
     torch.manual_seed(0)
-    module = models.TwoActivationExpertsMoE().eval()
-    (graph,), eager = capture(module, torch.randn(24, 32), torch.randn(24, 32))
-    gm, example = graph
-    report = fuse_moe(gm, example)
+    gm, example, report, eager = _fuse(models.TwoActivationExpertsMoE(), torch.randn(24, 32), torch.randn(24, 32))
     _assert_untouched(gm, example, report, eager, candidates=1)
 
 
@@ -338,10 +335,7 @@ def test_modulo_hash_module_fused_with_given_ids():
 def test_activation_dependent_hash_untouched():
     """Near miss: the hash also reads the hidden states (their argmax), so the ids are neither a top-k's nor given:
     no block is anchored, and the graph stays as it was."""
-    module = models.ModuloHashMoE(variant="activation").eval()
-    (graph,), eager = capture(module, torch.randn(24, 32), _tokens(24))
-    gm, example = graph
-    report = fuse_moe(gm, example)
+    gm, example, report, eager = _fuse(models.ModuloHashMoE(variant="activation"), torch.randn(24, 32), _tokens(24))
     _assert_untouched(gm, example, report, eager, candidates=0)
 
 
