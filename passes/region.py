@@ -488,7 +488,8 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     region = search.around(foreign, None)
     if region is not None:
         return region
-    raise NoMatch(search.reasons[-1] if search.reasons else first[-1] if first else
+    # Where the block did close around the router's input but failed a check, that reason stays the report's.
+    raise NoMatch(first[-1] if first else search.reasons[-1] if search.reasons else
                   f"found no combined [tokens, hidden] output of the experts computing on {foreign}")
 
 
