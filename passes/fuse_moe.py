@@ -161,7 +161,7 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     plan = plan_rewrite(flow, region, exportable, _expert_inputs(experts))
     routing = router.spec
     router_arg, router_bias = router.weight, router.bias
-    if plan.router_is_logits or region.router_linear is None:
+    if plan.router_is_logits:
         routing = replace(routing, router_is_logits=True, router_fp32=False)
         router_arg, router_bias = region.logits, None
     report.routing = routing

@@ -9,7 +9,8 @@
 
 Nodes of the region the rest of the graph still reads (router logits for an
 auxiliary loss, router probabilities) stay where they are; when the logits
-stay, the op takes them (``router_is_logits=True``) instead of recomputing
+stay, or are an input of the region (its router reads another tensor than its
+experts), the op takes them (``router_is_logits=True``) instead of computing
 them. Every created node gets ``meta["val"]`` from the fake kernels.
 """
 
@@ -31,7 +32,7 @@ from .validate import materialize
 class Plan:
     keep: set[fx.Node]            # region nodes the rest of the graph still reads
     exports: dict[str, fx.Node]   # "weights" / "ids": region nodes replaced by the op's outputs
-    router_is_logits: bool
+    router_is_logits: bool        # the op takes the graph's logits (they stay, or the router is outside the region)
     disposable: set[fx.Node]      # outside nodes that only check sizes of region values (Dynamo's runtime asserts)
 
 
@@ -86,7 +87,8 @@ def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs
     if leaks:
         leak = flow.sorted(leaks)[-1]
         raise NoMatch(f"expert intermediate {leak.name} is used outside the block")
-    return Plan(keep=keep, exports=exports, router_is_logits=region.logits in keep, disposable=disposable)
+    router_is_logits = region.router_linear is None or region.logits in keep
+    return Plan(keep=keep, exports=exports, router_is_logits=router_is_logits, disposable=disposable)
 
 
 def _set_meta(node: fx.Node, fake_mode, like: fx.Node):
