@@ -115,10 +115,15 @@ Tensor renorm_denominator(const Tensor& total, const MoeOptions& o) {
   return denom;
 }
 
+// expert_scale[ids] in `dtype` (reference._expert_scale_at).
+Tensor expert_scale_at(const Tensor& expert_scale, const Tensor& ids, at::ScalarType dtype) {
+  return expert_scale.to(dtype).index_select(0, ids.reshape({-1})).view(ids.sizes());
+}
+
 // (topk_weights, topk_ids) with HF's precision behaviour (reference.route). `expert_ids`: the ids, given
-// (hash routing); the weights are the scores there.
+// (hash routing); the weights are the scores there. `expert_scale`: each weight times its expert's value, last.
 std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selection_bias, const OptTensor& expert_ids,
-                                 at::ScalarType x_dtype, const MoeOptions& o) {
+                                 const OptTensor& expert_scale, at::ScalarType x_dtype, const MoeOptions& o) {
   // The values the top-k ranks are `scores` plus the selection bias, which only chooses: the weights start
   // from the unbiased scores at the chosen experts.
   Tensor scores;
@@ -159,12 +164,17 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   }
   if (o.renormalize) w = w / renorm_denominator(sum_last(w), o);
   if (o.routed_scale != 1.0) w = w * o.routed_scale;
+  if (expert_scale.has_value()) {
+    w = w * expert_scale_at(*expert_scale, ids, at::promote_types(w.scalar_type(), expert_scale->scalar_type()));
+  }
   w = w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype);
   return {w, ids};
 }
 
-// d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights) (reference.routing_backward).
-Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& grad_w, const MoeOptions& o) {
+// d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights) (reference.routing_backward); with `expert_scale`, also
+// its gradient into `d_scale` (per expert, the sum of d(weights) * unscaled weight over its pairs in pair order).
+Tensor routing_backward(const Tensor& logits, const Tensor& ids, Tensor grad_w, const MoeOptions& o,
+                        const OptTensor& expert_scale, Tensor* d_scale) {
   Tensor l = logits.to(grad_w.scalar_type());
   Tensor base, w0;
   if (o.routing == "softmax_topk") {
@@ -180,6 +190,13 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, const Tensor& g
   } else {
     base = at::sigmoid(l);
     w0 = base.gather(1, ids);
+  }
+  if (expert_scale.has_value()) {
+    Tensor w = o.renormalize ? w0 / renorm_denominator(sum_last(w0), o) : w0;
+    if (o.routed_scale != 1.0) w = w * o.routed_scale;
+    *d_scale = at::zeros({expert_scale->size(0)}, grad_w.options())
+                   .index_add_(0, ids.reshape({-1}), (grad_w * w).reshape({-1}));
+    grad_w = grad_w * expert_scale_at(*expert_scale, ids, grad_w.scalar_type());
   }
   Tensor d = grad_w * o.routed_scale;
   if (o.renormalize) {  // the sum's gradient stops where the clamp holds it at renorm_min
@@ -528,7 +545,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
-      double renorm_min, int64_t group_top, const OptTensor &expert_ids
+      double renorm_min, int64_t group_top, const OptTensor &expert_ids, const OptTensor &expert_scale
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
@@ -538,7 +555,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bo
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
-  auto [w, ids] = route(logits, selection_bias, expert_ids, x.scalar_type(), o);
+  auto [w, ids] = route(logits, selection_bias, expert_ids, expert_scale, x.scalar_type(), o);
   Tensor h;
   Tensor out = experts_forward(x, w, ids, gate_up_proj.contiguous(), gate_up_bias, down_proj.contiguous(),
                                down_bias, o, save_h ? &h : nullptr);
@@ -550,7 +567,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
                                        gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
                                        router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
                                        topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, renorm_min, group_top, expert_ids, /*save_h=*/false);
+                                       limit, weight_on_input, renorm_min, group_top, expert_ids, expert_scale,
+                                       /*save_h=*/false);
   return {out, w, ids};
 }
 
@@ -558,13 +576,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS)
   return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
                       renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, expert_ids, /*save_h=*/true);
+                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, expert_ids, expert_scale,
+                      /*save_h=*/true);
 }
 
 // ----------------------------------------------------------------------------- backward
 
 
-using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 BackwardResult fused_moe_backward(
     const Tensor& grad_out, const OptTensor& grad_topk_weights, const Tensor& hidden_states, const Tensor& router,
@@ -575,7 +594,7 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    const OptTensor& gate_up_out) {
+    const OptTensor& gate_up_out, const OptTensor& expert_scale) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top};
@@ -694,7 +713,8 @@ BackwardResult fused_moe_backward(
   Tensor d_wts = at::empty({N}, acc_opts).index_copy_(0, g.order, dw_rows).view({T, K});
   if (grad_topk_weights.has_value()) d_wts = d_wts + grad_topk_weights->to(acc);
   Tensor logits = router_logits(x, router, router_bias, o);
-  Tensor d_logits = routing_backward(logits, topk_ids, d_wts, o);
+  Tensor d_scale;
+  Tensor d_logits = routing_backward(logits, topk_ids, d_wts, o, expert_scale, &d_scale);
   Tensor d_router, d_router_bias;
   if (o.router_is_logits) {
     d_router = d_logits.to(router.scalar_type());
@@ -711,13 +731,15 @@ BackwardResult fused_moe_backward(
       d_b1.defined() ? d_b1.to(gate_up_bias->scalar_type()) : Tensor(),
       d_w2.to(down_proj.scalar_type()),
       d_b2.defined() ? d_b2.to(down_bias->scalar_type()) : Tensor(),
+      d_scale.defined() ? d_scale.to(expert_scale->scalar_type()) : Tensor(),
   };
 }
 
 }  // namespace
 
 // Same arguments as mok::fused_moe (library.py), all passed explicitly (no defaults:
-// the Python wrapper completes them with spec.with_defaults) but the forwards' expert_ids (given only).
+// the Python wrapper completes them with spec.with_defaults) but the tensors given only where used (expert_ids,
+// expert_scale).
 #define MOK_CPU_SCALARS                                                                                          \
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
@@ -729,12 +751,13 @@ BackwardResult fused_moe_backward(
 
 TORCH_LIBRARY(mok_cpu, m) {
   m.def("fused_moe(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
-        ", Tensor? expert_ids=None) -> (Tensor, Tensor, Tensor)");
+        ", Tensor? expert_ids=None, Tensor? expert_scale=None) -> (Tensor, Tensor, Tensor)");
   m.def("fused_moe_train(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
-        ", Tensor? expert_ids=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        ", Tensor? expert_ids=None, Tensor? expert_scale=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, " MOK_CPU_WEIGHTS
         ", Tensor topk_weights, Tensor topk_ids, *, " MOK_CPU_SCALARS
-        ", Tensor? gate_up_out) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ", Tensor? gate_up_out, Tensor? expert_scale=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mok_cpu, CPU, m) {

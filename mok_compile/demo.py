@@ -45,7 +45,8 @@ def parse_args(argv=None):
 
 def make_causal_lm(family: str, sizes=None, num_layers: int = 2, dtype=torch.float32, device="cpu", seed: int = 0,
                    **config_overrides):
-    """A random-weight CausalLM of `family`; router/expert biases randomised too (HF zero-inits them)."""
+    """A random-weight CausalLM of `family`; router/expert biases and per-expert weight scales randomised too (HF
+    inits them to zeros and ones)."""
     import transformers
 
     from .hf_blocks import BlockSizes, make_config
@@ -57,6 +58,8 @@ def make_causal_lm(family: str, sizes=None, num_layers: int = 2, dtype=torch.flo
         for name, p in model.named_parameters():
             if name.endswith("bias") and ("experts" in name or "router" in name or "gate" in name):
                 p.normal_(0, 0.02)
+            if name.endswith("per_expert_scale"):  # Gemma 4's (ones at init)
+                p.uniform_(0.5, 1.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.1)

@@ -37,6 +37,9 @@ ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
 # Families of transformers newer than the oldest supported (5.17), kept out of ALL_FAMILIES: DeepSeek-V4 (5.25),
 # whose learned-router layers (past its hash-routed ones) the op fuses.
 NEWER_FAMILIES = ("deepseek_v4",)
+# Families whose router and experts are separate modules of the decoder layer, with no MoE block class: whole models
+# only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
+LAYER_FAMILIES = ("gemma4",)
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
 FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2")
 # Families whose selection bias alone HF keeps in fp32 in a bf16 model.
@@ -102,6 +105,14 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
         # Its experts and shared expert both take intermediate_size; every layer routed by its learned router.
         cfg = tf.DeepseekV4Config(intermediate_size=I, moe_intermediate_size=I, num_local_experts=E,
                                   mlp_layer_types=["moe"] * num_layers, **common)
+    elif family == "gemma4":
+        # Every layer has a dense MLP (intermediate_size) beside the routed experts; tied embeddings, no per-layer
+        # inputs.
+        cfg = tf.Gemma4TextConfig(intermediate_size=2 * I, moe_intermediate_size=I, num_experts=E, top_k_experts=K,
+                                  enable_moe_block=True, head_dim=H // 4, hidden_size_per_layer_input=0,
+                                  layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
+                                  + ["full_attention"] * (num_layers % 2),
+                                  sliding_window=32, pad_token_id=0, **common)
     elif family == "llama4":
         # Text-only (Llama4ForCausalLM), every layer MoE (gated shared expert of size I, outside the op);
         # dense layers (none here) would use intermediate_size_mlp.
@@ -109,7 +120,7 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   head_dim=H // 4, interleave_moe_layer_step=1, moe_layers=list(range(num_layers)),
                                   no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES + NEWER_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg

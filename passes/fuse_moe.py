@@ -123,6 +123,7 @@ def _minimal_kwargs(routing: RoutingSpec, experts: ExpertSpec) -> dict:
 def _roles(router: RouterMatch, experts: ExpertsMatch) -> dict:
     roles = {router.weight: "router"}
     for role, operand in (("router_bias", router.bias), ("selection_bias", router.selection_bias),
+                          ("expert_scale", router.expert_scale),
                           ("gate_up", experts.gate_up), ("gate_up_bias", experts.gate_up_bias),
                           ("down", experts.down), ("down_bias", experts.down_bias)):
         if isinstance(operand, Stack):
@@ -167,14 +168,16 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     report.routing = routing
     operands = [region.x, router_arg, router_bias, router.selection_bias, experts.gate_up, experts.gate_up_bias,
                 experts.down, experts.down_bias]
-    given = {"expert_ids": region.ids} if region.given_ids else {}
+    given = {"expert_ids": region.ids} if region.given_ids else {}  # tensors the op takes as keyword arguments
+    if router.expert_scale is not None:
+        given["expert_scale"] = router.expert_scale
     chosen, failures = None, []
     if not validate:
         if len(experts.specs) != 1:
             raise NoMatch(f"{len(experts.specs)} expert layouts fit the weight shapes; enable validate to choose")
         chosen = experts.specs[0]
     else:
-        roles = {**_roles(router, experts), **({region.ids: "expert_ids"} if given else {})}
+        roles = {**_roles(router, experts), **({region.ids: "expert_ids"} if region.given_ids else {})}
         if region.router_linear is None:
             roles[region.logits] = "router_logits"
         for spec in experts.specs:

@@ -56,11 +56,12 @@ class RouterMatch:
     bias: fx.Node | None                   # router bias [E]
     selection_bias: fx.Node | Flat | None  # bias used only to choose experts
     weights: fx.Node                       # final routing weights [T, K] as the experts use them ([T, E] for D)
+    expert_scale: fx.Node | None = None    # per-expert factor of the weights [E] (Gemma 4's per_expert_scale)
 
     def input_nodes(self) -> set[fx.Node]:
-        """The graph inputs the router reads (weight, biases)."""
+        """The graph inputs the router reads (weight, biases, expert scale)."""
         sel = self.selection_bias.source if isinstance(self.selection_bias, Flat) else self.selection_bias
-        return {n for n in (self.weight, self.bias, sel) if n is not None}
+        return {n for n in (self.weight, self.bias, sel, self.expert_scale) if n is not None}
 
 
 def _is_last_dim(dim, ndim: int) -> bool:
@@ -167,9 +168,10 @@ def match_router(region: Region) -> RouterMatch:
         w = values[0]
     else:
         w = _gathered_scores(region, scores, routing)
-    spec, w = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group, topk_group=topk_group,
-                            group_top=group_top)
-    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w)
+    spec, w, scale = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group,
+                                   topk_group=topk_group, group_top=group_top)
+    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w,
+                       expert_scale=scale)
 
 
 def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
@@ -180,8 +182,8 @@ def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, rout
     if selection_bias is not None or masked is not None:
         raise NoMatch("the router adds a selection bias or masks groups, but the expert ids are given")
     w = _gathered_scores(region, scores, routing)
-    spec, w = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
-    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w)
+    spec, w, scale = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
+    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w, expert_scale=scale)
 
 
 def _score_chain(region: Region):
@@ -221,9 +223,10 @@ def _score_chain(region: Region):
 
 
 def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32, **groups):
-    """(RoutingSpec, final weights node): the weight chain from the unnormalised weights `w` walked, [softmax (B) |
-    sigmoid (D)] -> [renormalise] -> [scale] -> [cast], in this order. `groups`: n_group, topk_group, group_top."""
-    stage, renormalize, eps, renorm_min, scale = 0, False, 0.0, 0.0, 1.0
+    """(RoutingSpec, final weights node, expert scale node or None): the weight chain from the unnormalised weights
+    `w` walked, [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [per-expert scale] -> [cast], in this
+    order. `groups`: n_group, topk_group, group_top."""
+    stage, renormalize, eps, renorm_min, scale, expert_scale = 0, False, 0.0, 0.0, 1.0, None
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
@@ -241,18 +244,18 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
             routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
-        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3:
+        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3 and expert_scale is None:
             scale, stage = scale * number(u.args[1]), 3
-        elif name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3:
+        elif (name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3
+              and expert_scale is None):
             # w / c as w * (1 / c): exact for a power of two (OpenAI privacy filter's / top_k), else within an ulp
             # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
             scale, stage = scale / number(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
             if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
                 stage = 4
-        elif name == "mul" and _per_expert(region, u.args[1] if u.args[0] is w else u.args[0]):
-            raise NoMatch("the routing weights are multiplied by a per-expert tensor gathered at the expert ids "
-                          "(Gemma 4's per_expert_scale): the op has no per-expert weight scale")
+        elif name == "mul" and stage <= 3 and expert_scale is None and _per_expert(region, _other(u, w)):
+            expert_scale, stage = _expert_scale(region, _other(u, w)), 3
         else:
             break
         w = u
@@ -262,7 +265,12 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
                        weights_fp32=weights_fp32, **groups)
-    return spec, w
+    return spec, w, expert_scale
+
+
+def _other(mul: fx.Node, w: fx.Node):
+    """The operand of a binary `mul` that is not `w`."""
+    return mul.args[1] if mul.args[0] is w else mul.args[0]
 
 
 def _per_expert(region: Region, t) -> bool:
@@ -272,6 +280,29 @@ def _per_expert(region: Region, t) -> bool:
         return False
     base = tensor_meta(t.args[0])
     return base is not None and base.dim() == 1 and strip(t.args[1], CAST_OPS) is region.ids
+
+
+def _expert_scale(region: Region, gathered) -> fx.Node:
+    """The op's `expert_scale` of weights multiplied by ``v[ids]`` (`_per_expert`): v, a block input of E floats
+    (anything computed from parameters alone is one), read through casts in the block only where they keep its
+    values (the op multiplies in fp32: a rounding cast would be lost)."""
+
+    def exact_casts(n):
+        while op_name(n) in CAST_OPS and isinstance(n.args[0], fx.Node):
+            src, out = tensor_meta(n.args[0]), tensor_meta(n)
+            if src is None or out is None or not (out.dtype == src.dtype or out.element_size() > src.element_size()):
+                raise NoMatch("the routing weights are multiplied by a per-expert scale rounded to "
+                              f"{out.dtype if out is not None else 'another dtype'} in the block; the op would not "
+                              "round it")
+            n = n.args[0]
+        return n
+
+    v = exact_casts(exact_casts(gathered).args[0])
+    meta = tensor_meta(v)
+    if v not in region.inputs or meta is None or not meta.is_floating_point() or tuple(meta.shape) != (region.E,):
+        raise NoMatch("the routing weights are multiplied by a per-expert tensor gathered at the expert ids that is "
+                      "not a block input of one float per expert")
+    return v
 
 
 def _sqrt_softplus_fp32(sqrt: fx.Node) -> bool:

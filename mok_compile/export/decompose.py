@@ -8,7 +8,8 @@ depends only on input shapes:
 
 - routing: the reference's own `router_logits` + `route` (softmax / top-k /
   sigmoid-group selection are shape-static already; given `expert_ids`, a
-  gather), so the routing decisions and weights are the reference's, op for op;
+  gather; an `expert_scale`, a gather and a product), so the routing
+  decisions and weights are the reference's, op for op;
 - experts, one of two formulations (`EXPERTS_FORMS`):
 
   ``gather`` (default)  like transformers' ``batched_mm``: gather each
@@ -110,7 +111,7 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
                    softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
                    routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
                    weights_fp32=kw["weights_fp32"], renorm_min=kw["renorm_min"], group_top=kw["group_top"],
-                   expert_ids=kw.get("expert_ids"))
+                   expert_ids=kw.get("expert_ids"), expert_scale=kw.get("expert_scale"))
     weight_on_input = kw["weight_on_input"]
     y = _EXPERTS[experts_form](x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias,
                                transposed=kw["transposed"], input_weights=w if weight_on_input else None,

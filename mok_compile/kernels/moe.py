@@ -301,7 +301,7 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     (`plan.py`) where this call's signature has one; at few tokens, from a CUDA graph (`graphs.py`)."""
     kw = with_defaults(kw)
     tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
-               kw.pop("expert_ids", None))
+               kw.pop("expert_ids", None), kw.pop("expert_scale", None))
     options = (save_gate_up, tuple(kw.items()))
 
     def planned(*tensors):
@@ -311,10 +311,10 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
 
 
 def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
-             expert_ids, save_gate_up, **kw):
+             expert_ids, expert_scale, save_gate_up, **kw):
     # Checked here, on the normal path only: a plan's signature fixes everything the check reads.
     check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                 down_bias, expert_ids=expert_ids, **kw)
+                 down_bias, expert_ids=expert_ids, expert_scale=expert_scale, **kw)
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
@@ -327,7 +327,8 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
         weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"],
-        expert_ids=None if expert_ids is None else expert_ids.contiguous())
+        expert_ids=None if expert_ids is None else expert_ids.contiguous(),
+        expert_scale=None if expert_scale is None else expert_scale.contiguous())
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
@@ -376,7 +377,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
 
 _BACKWARD_PLANS = plan.PlanCache()
 # The per-call tensors of a backward (grad_out, grad_topk_weights, hidden_states, topk_weights, topk_ids, h, logits,
-# layout), copied into a graph's buffers; the weights key it by address.
+# layout), copied into a graph's buffers; the weights (and the expert scale, last) key it by address.
 BACKWARD_GRAPHS = graphs.GraphCache(copied=(0, 1, 2, 10, 11, 12, 13, 14))
 _WEIGHTS = (6, 7, 8, 9)  # gate_up_proj, gate_up_bias, down_proj, down_bias among those tensors
 
@@ -392,7 +393,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     kw = with_defaults(kw)
     tensors = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, kw.pop("gate_up_out", None),
-               kw.pop("router_logits", None), kw.pop("routing_layout", None))
+               kw.pop("router_logits", None), kw.pop("routing_layout", None), kw.pop("expert_scale", None))
     options = tuple(kw.items())
 
     def planned(*tensors):
@@ -401,7 +402,9 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     def capture(*tensors):  # h is the graph's copy: dh need not go over it, nor its memory be freed
         return _backward(*tensors, defer_weight_gradients=True, **{**kw, "overwrite_gate_up_out": False})
 
-    return BACKWARD_GRAPHS.call(planned, tensors, options, capture=capture)
+    d_x, d_router, d_router_bias, d_scale, *weight_grads = BACKWARD_GRAPHS.call(planned, tensors, options,
+                                                                                capture=capture)
+    return d_x, d_router, d_router_bias, *weight_grads, d_scale
 
 
 def _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, scale):
@@ -419,10 +422,11 @@ def _free_storage(t):
 
 def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
-              defer_weight_gradients=False, **kw):
-    """The backward's launches. `defer_weight_gradients` (a graph's capture, T > 0): return ((d_x, d_router,
-    d_router_bias), (fn, held, _WEIGHTS)), the weight gradients left to `fn(*held, *weights)`, the weights being the
-    call's tensors at positions `_WEIGHTS` (gate_up_proj, gate_up_bias, down_proj, down_bias)."""
+              expert_scale, defer_weight_gradients=False, **kw):
+    """The backward's launches: (d_x, d_router, d_router_bias, d_expert_scale, d_gu, d_gu_bias, d_down, d_down_bias),
+    the weight gradients last. `defer_weight_gradients` (a graph's capture, T > 0): return ((d_x, d_router,
+    d_router_bias, d_expert_scale), (fn, held, _WEIGHTS)), the weight gradients left to `fn(*held, *weights)`, the
+    weights being the call's tensors at positions `_WEIGHTS` (gate_up_proj, gate_up_bias, down_proj, down_bias)."""
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -433,6 +437,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     if T == 0:
         d_router = zeros_like(router)
         return (zeros_like(x), d_router, None if router_bias is None else zeros_like(router_bias),
+                None if expert_scale is None else zeros_like(expert_scale),
                 zeros_like(gate_up_proj), None if gate_up_bias is None else zeros_like(gate_up_bias),
                 zeros_like(down_proj), None if down_bias is None else zeros_like(down_bias))
 
@@ -526,7 +531,14 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     dl = route_backward(logits, topk_ids, disp.pair_pos, dw_parts,
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"],
-                        out_dtype=dl_dtype, renorm_min=kw["renorm_min"])
+                        out_dtype=dl_dtype, renorm_min=kw["renorm_min"],
+                        expert_scale=None if expert_scale is None else expert_scale.contiguous())
+    d_scale = None
+    if expert_scale is not None:  # each expert's pairs summed in sorted order: deterministic
+        dl, dscale_sorted = dl
+        d_scale = torch.empty((E, 1), dtype=expert_scale.dtype, device=x.device)
+        cutlass_gemm.segment_sum(dscale_sorted.view(TK, 1), disp, d_scale, gather=False)
+        d_scale = d_scale.view(E)
     if kw["router_is_logits"]:
         d_router, d_router_bias, dx_router = dl.to(router.dtype), None, None
     else:
@@ -543,8 +555,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
                   round_product=False if woi else None)
     if defer_weight_gradients:
-        return (d_x, d_router, d_router_bias), deferred
-    return d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias
+        return (d_x, d_router, d_router_bias, d_scale), deferred
+    return d_x, d_router, d_router_bias, d_scale, d_gu, d_gu_bias, d_down, d_down_bias
 
 
 def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=None):

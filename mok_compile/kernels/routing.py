@@ -131,7 +131,7 @@ def _route_fwd_kernel(
     RENORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
     DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0, GROUP_TOP: tl.constexpr = 2,
-    given_ids_ptr=None, GIVEN_IDS: tl.constexpr = False,
+    given_ids_ptr=None, GIVEN_IDS: tl.constexpr = False, expert_scale_ptr=None, EXPERT_SCALE: tl.constexpr = False,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
     chunk, from the same picks, so a few-token call skips those two launches.
@@ -140,7 +140,9 @@ def _route_fwd_kernel(
     SEL_LOW: that sum is rounded to the logits' dtype, as PyTorch rounds a 16-bit score plus a 16-bit bias.
     N_GROUP > 1: only the TOPK_GROUP groups with the largest sums of their GROUP_TOP largest choices can be chosen.
     GIVEN_IDS: the ids are read from `given_ids_ptr` [T, K] instead of chosen (each clamped into [0, E), so that
-    an id out of range, the caller's error, cannot send a pair outside the buffers); the weights are `value` there."""
+    an id out of range, the caller's error, cannot send a pair outside the buffers); the weights are `value` there.
+    EXPERT_SCALE: each weight is multiplied last by its expert's `expert_scale` value (in fp32, before the store's
+    rounding)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -228,8 +230,10 @@ def _route_fwd_kernel(
         top_v = top_v / _renorm_denominator(tl.sum(tl.where(kmask[None, :], top_v, 0.0), axis=1), renorm_min,
                                             renorm_eps)[:, None]
     top_v = top_v * routed_scale
-
     omask = rmask[:, None] & kmask[None, :]
+    if EXPERT_SCALE:
+        top_v = top_v * tl.load(expert_scale_ptr + top_i, mask=omask, other=0.0).to(tl.float32)
+
     offs = rows[:, None] * K + kcols[None, :]
     tl.store(w_ptr + offs, top_v.to(w_ptr.dtype.element_ty), mask=omask)
     tl.store(ids_ptr + offs, top_i.to(tl.int64), mask=omask)
@@ -262,9 +266,10 @@ def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2, expert_ids=None):
+          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2, expert_ids=None, expert_scale=None):
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
-    `expert_ids` [T, K]: the ids, given (`mok::fused_moe`'s argument), not chosen.
+    `expert_ids` [T, K]: the ids, given (`mok::fused_moe`'s argument), not chosen. `expert_scale` [E]: the
+    weights' per-expert factor.
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
     one program holds every token (chunk_counts is then None: its one row is `dispatch.expert_count`), else
@@ -296,6 +301,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
                 expert_end_ptr=dispatch.expert_end, sorted_pair_ptr=dispatch.sorted_pair,
                 pair_pos_ptr=dispatch.pair_pos, DISPATCH=True)),
             **({} if expert_ids is None else dict(given_ids_ptr=expert_ids, GIVEN_IDS=True)),
+            **({} if expert_scale is None else dict(expert_scale_ptr=expert_scale, EXPERT_SCALE=True)),
         )
         if dispatch is not None and not fused:
             dispatch.sort(ids, counts, block_t, repeats=expert_ids is not None)
@@ -308,11 +314,14 @@ def _route_bwd_kernel(
     T, E, stride_lt, n_parts, TK, renorm_eps, routed_scale,
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
+    expert_scale_ptr=None, dscale_sorted_ptr=None, EXPERT_SCALE: tl.constexpr = False,
 ):
     """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
 
     d(topk_weights) arrives as partial sums over tiles of I ([n_parts, T*K] at each pair's sorted
-    position), summed here in a fixed order, plus `dw_extra` (given grads, down-bias term)."""
+    position), summed here in a fixed order, plus `dw_extra` (given grads, down-bias term).
+    EXPERT_SCALE: the weights were w * s[ids]; each pair's d(weight) * w goes to `dscale_sorted` at its sorted
+    position (the caller sums them per expert), and w's gradient is d(weight) * s[ids]."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -358,11 +367,17 @@ def _route_bwd_kernel(
         ek = tl.where(kmask[None, :], tl.exp(w0 - mk[:, None]), 0.0)
         w0 = ek / tl.sum(ek, axis=1)[:, None]
     w0 = tl.where(omask, w0, 0.0)
-    d = tl.where(omask, d * routed_scale, 0.0)
-    if RENORM:  # the sum's gradient stops where the clamp holds it at renorm_min
+    if RENORM:
         total = tl.sum(w0, axis=1)
         denom = _renorm_denominator(total, renorm_min, renorm_eps)[:, None]
         w1 = w0 / denom
+    else:
+        w1 = w0
+    if EXPERT_SCALE:
+        tl.store(dscale_sorted_ptr + pos, d * (w1 * routed_scale), mask=omask)
+        d = d * tl.load(expert_scale_ptr + ids, mask=omask, other=0.0).to(tl.float32)
+    d = tl.where(omask, d * routed_scale, 0.0)
+    if RENORM:  # the sum's gradient stops where the clamp holds it at renorm_min
         d = (d - tl.where(total >= renorm_min, tl.sum(d * w1, axis=1), 0.0)[:, None]) / denom
     if ROUTING == 1:
         d = w0 * (d - tl.sum(w0 * d, axis=1)[:, None])
@@ -387,14 +402,19 @@ def _route_bwd_kernel(
 
 
 def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
-                   routed_scale, out_dtype=torch.float32, renorm_min=0.0):
+                   routed_scale, out_dtype=torch.float32, renorm_min=0.0, expert_scale=None):
     """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
-    position."""
+    position. With `expert_scale`: (d(logits), [T*K] fp32 each pair's part of d(expert_scale) at its sorted
+    position), for `expert_scale_grad`."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = route_backward_block(E, T)
     dl = torch.empty((T, E), dtype=out_dtype, device=logits.device)
+    scaled = {}
+    if expert_scale is not None:
+        dscale_sorted = torch.empty((T * K,), dtype=torch.float32, device=logits.device)
+        scaled = dict(expert_scale_ptr=expert_scale, dscale_sorted_ptr=dscale_sorted, EXPERT_SCALE=True)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_bwd_kernel)[(cdiv(T, block_t),)](
@@ -402,6 +422,6 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
             T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
             K=K, K_PAD=next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
             HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e, renorm_min=float(renorm_min),
-            num_warps=routing_warps(block_t, block_e),
+            num_warps=routing_warps(block_t, block_e), **scaled,
         )
-    return dl
+    return dl if expert_scale is None else (dl, dscale_sorted)

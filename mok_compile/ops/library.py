@@ -45,8 +45,12 @@ _WEIGHTS = (
 # them up by token id) instead of chosen by the top-k; the weights are then the routing's values at these ids. Ids
 # may repeat within a row (each slot is its own pair). The backward reads the forward's topk_ids, which equal them.
 _GIVEN_IDS = "Tensor? expert_ids=None"
+# `expert_scale` [E]: a learned per-expert factor of the routing weights (Gemma 4's `per_expert_scale`): each
+# pair's weight, after the renormalisation and `routed_scale`, is multiplied by its expert's value (in the weights'
+# accumulation dtype, before their cast). It has a gradient: the backward's `grad_expert_scale`.
+_EXPERT_SCALE = "Tensor? expert_scale=None"
 FUSED_MOE_SCHEMA = (
-    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}) "
+    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_EXPERT_SCALE}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
 )
 # `gate_up_out`: h = x @ W1 per pair in expert-sorted order (before bias and activation), saved by
@@ -55,11 +59,14 @@ FUSED_MOE_SCHEMA = (
 # `router_logits`, `routing_layout`: the logits and the expert-sorted dispatch layout, saved by `fused_moe_train`
 # on CUDA; given, the CUDA backward skips the router GEMM and count, scan and scatter (others ignore them).
 _SAVED_ROUTING = "Tensor? router_logits=None, Tensor? routing_layout=None"
+_GRADS = (
+    "(Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
+    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias, Tensor? grad_expert_scale)"
+)
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
-    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None, {_SAVED_ROUTING}) "
-    "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
-    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
+    f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None, {_SAVED_ROUTING}, "
+    f"{_EXPERT_SCALE}) -> {_GRADS}"
 )
 
 # The forward autograd runs when gradients are needed (`_saves_gate_up`: CUDA and CPU kernels): also
@@ -67,7 +74,7 @@ FUSED_MOE_BACKWARD_SCHEMA = (
 # router logits ([0, E] where the router argument is the logits) and the dispatch layout; the C++ kernel,
 # whose backward recomputes its own, returns them empty.
 FUSED_MOE_TRAIN_SCHEMA = (
-    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}) "
+    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_EXPERT_SCALE}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out, Tensor router_logits, "
     "Tensor routing_layout)"
 )
@@ -81,9 +88,7 @@ FUSED_MOE_TRAIN_SCHEMA = (
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False, "
-    f"{_SAVED_ROUTING}) "
-    "-> (Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
-    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias)"
+    f"{_SAVED_ROUTING}, {_EXPERT_SCALE}) -> {_GRADS}"
 )
 
 lib = torch.library.Library("mok", "DEF")
@@ -188,6 +193,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
     if kw.get("expert_ids") is not None:
         _check_expert_ids(kw["expert_ids"], x, top_k, selection_bias, n_group)
+    if kw.get("expert_scale") is not None:
+        _check_expert_scale(kw["expert_scale"], x, E, kw["weight_on_input"])
     if routing not in ROUTINGS:
         _fail(f"routing={routing!r} is not supported; use one of {ROUTINGS}")
     if n_group > 1:
@@ -216,6 +223,18 @@ def _check_expert_ids(ids, x, top_k, selection_bias, n_group):
         _fail(f"expert_ids is on {ids.device} but hidden_states is on {x.device}")
     if selection_bias is not None or n_group != 1:
         _fail("expert_ids gives the experts: selection_bias and n_group > 1, which choose them, must not be set")
+
+
+def _check_expert_scale(scale, x, num_experts, weight_on_input):
+    """A per-expert weight scale: [E] floating point on x's device, on weights that scale the experts' outputs."""
+    if scale.dim() != 1 or scale.shape[0] != num_experts:
+        _fail(f"expert_scale must be [E={num_experts}], got shape {tuple(scale.shape)}")
+    if scale.dtype not in _FLOAT_DTYPES:
+        _fail(f"expert_scale has unsupported dtype {scale.dtype}")
+    if scale.device != x.device:
+        _fail(f"expert_scale is on {scale.device} but hidden_states is on {x.device}")
+    if weight_on_input:
+        _fail("expert_scale is not supported with weight_on_input=True")
 
 
 def checked_kwargs(tensors, kw) -> dict:
@@ -286,6 +305,7 @@ def _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router,
         None if gate_up_bias is None else torch.empty_like(gate_up_bias),
         torch.empty_like(down_proj),
         None if down_bias is None else torch.empty_like(down_bias),
+        None if kw.get("expert_scale") is None else torch.empty_like(kw["expert_scale"]),
     )
 
 
@@ -294,7 +314,8 @@ def _fused_moe_backward_consume_fake(grad_out, grad_topk_weights, hidden_states,
                                      gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
                                      gate_up_out, **kw):
     return _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
-                                    gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids)
+                                    gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
+                                    expert_scale=kw.get("expert_scale"))
 
 
 def graph_is_freed() -> bool:
@@ -417,18 +438,25 @@ class _FusedMoeFunction(torch.autograd.Function):
     with the CUDA or C++ kernels also h = x @ W1 per pair (K * 2I elements per token), which saves the
     backward a third of the forward's FLOPs (and a second read of W1 at few tokens). With the CUDA kernels
     also the router logits (E elements per token) and the dispatch layout (K * 8 bytes per token): the
-    backward skips the router GEMM and 3 launches."""
+    backward skips the router GEMM and 3 launches. `args`: the op's 8 tensor arguments, then its
+    `expert_scale` where given (an argument here, so that it gets a gradient)."""
 
     @staticmethod
     def forward(ctx, keyset, kwargs, *args):
+        scale = args[8:]
+        args = args[:8]
+        if scale:
+            kwargs = {**kwargs, "expert_scale": scale[0]}
         if _saves_gate_up(args, kwargs):
             out, weights, ids, *saved = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
             out = (out, weights, ids)
-            ctx.save_for_backward(*args, weights, ids, *saved)  # saved: h, router logits, dispatch layout
+            ctx.save_for_backward(*args, weights, ids, *scale, *saved)  # saved: h, router logits, dispatch layout
         else:
             out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
-            ctx.save_for_backward(*args, out[1], out[2])
-        ctx.kwargs = {k: v for k, v in kwargs.items() if k != "expert_ids"}  # the backward reads topk_ids
+            ctx.save_for_backward(*args, out[1], out[2], *scale)
+        # The backward reads topk_ids, not the given ids; the scale comes back from the saved tensors.
+        ctx.kwargs = {k: v for k, v in kwargs.items() if k not in ("expert_ids", "expert_scale")}
+        ctx.scaled = bool(scale)
         ctx.mark_non_differentiable(out[2])
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros to add
         return out
@@ -437,24 +465,27 @@ class _FusedMoeFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_topk_weights, _grad_ids):
         saved = ctx.saved_tensors
         tensors, topk_weights, topk_ids = saved[:8], saved[8], saved[9]
+        kwargs, rest = ctx.kwargs, saved[10:]
+        if ctx.scaled:
+            kwargs, rest = {**kwargs, "expert_scale": rest[0]}, rest[1:]
         if grad_out is None:
             grad_out = torch.zeros_like(tensors[0])
         args = (grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids)
-        keyset = _keyset_of((*args, *saved[10:]))
-        if len(saved) == 10:
-            grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, ctx.kwargs)
+        keyset = _keyset_of((*args, *rest))
+        if not rest:
+            grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, kwargs)
         else:
-            h, logits, layout = saved[10:]
-            kwargs = ctx.kwargs
+            h, logits, layout = rest
             if keeps_routing(tensors[0]):  # what the training forward returned for x's device
                 kwargs = {**kwargs, "router_logits": logits, "routing_layout": layout}
             if _gate_up_out_is_dead(h):
                 grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, h), kwargs)
             else:
                 grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, {**kwargs, "gate_up_out": h})
-        d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias = grads
+        d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias, d_scale = grads
         # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
-        return None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias
+        return (None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias,
+                *((d_scale,) if ctx.scaled else ()))
 
 
 def _gate_up_out_is_dead(h) -> bool:
@@ -476,8 +507,12 @@ def _call(op, keyset, args, kwargs):
 
 
 def _fused_moe_autograd(keyset, *args, **kwargs):
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-        return _FusedMoeFunction.apply(keyset, kwargs, *args)
+    scale = kwargs.get("expert_scale")
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, scale):
+        if scale is None:
+            return _FusedMoeFunction.apply(keyset, kwargs, *args)
+        kwargs = {k: v for k, v in kwargs.items() if k != "expert_scale"}
+        return _FusedMoeFunction.apply(keyset, kwargs, *args, scale)
     return _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
 
 

@@ -69,6 +69,12 @@ def _renorm_and_scale(w, *, renormalize, renorm_eps, renorm_min, routed_scale):
     return w
 
 
+def _expert_scale_at(expert_scale, ids, dtype):
+    """expert_scale[ids] in `dtype` (the weights' accumulation dtype: Gemma 4 multiplies its fp32 weights by the
+    bf16 parameter, which PyTorch upcasts)."""
+    return expert_scale.to(dtype)[ids]
+
+
 def _grouped_choice(choice, n_group, topk_group, group_top):
     """Group-limited selection (DeepSeek-V3: group score = sum of its top 2; V2: its max): mask all but the best
     groups with -inf."""
@@ -108,9 +114,11 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
 
 
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
-          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2, expert_ids=None):
+          renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2, expert_ids=None,
+          expert_scale=None):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour. `expert_ids`: the ids, given; the
-    weights are the routing's values there (DeepSeek-V4's hash routing: `scores.gather(1, tid2eid[input_ids])`)."""
+    weights are the routing's values there (DeepSeek-V4's hash routing: `scores.gather(1, tid2eid[input_ids])`).
+    `expert_scale` [E]: each weight times its expert's value, last (Gemma 4's `per_expert_scale`)."""
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
     if expert_ids is not None:
@@ -131,6 +139,8 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
         w = top
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, renorm_min=renorm_min,
                           routed_scale=routed_scale)
+    if expert_scale is not None:
+        w = w * _expert_scale_at(expert_scale, ids, torch.promote_types(w.dtype, expert_scale.dtype))
     w = w.to(routing_weights_dtype(x_dtype, weights_fp32))
     return w, ids
 
@@ -224,14 +234,14 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False, renorm_min=0.0, group_top=2, expert_ids=None):
+                        weight_on_input=False, renorm_min=0.0, group_top=2, expert_ids=None, expert_scale=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=top_k, routing=routing,
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
                    routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32,
-                   renorm_min=renorm_min, group_top=group_top, expert_ids=expert_ids)
+                   renorm_min=renorm_min, group_top=group_top, expert_ids=expert_ids, expert_scale=expert_scale)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input)
@@ -291,10 +301,13 @@ def _gelu_tanh_grad(x):
 
 
 def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renormalize, renorm_eps, routed_scale,
-                     renorm_min=0.0):
-    """d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights), all in the accumulation dtype."""
+                     renorm_min=0.0, expert_scale=None):
+    """(d(loss)/d(logits) [T, E], d(loss)/d(expert_scale) [E] or None) from d(loss)/d(topk_weights), all in the
+    accumulation dtype. With `expert_scale`, the weights are w * s[ids] for the w this recomputes: d(s[e]) sums
+    d(weights) * w over the pairs of expert e (in pair order), and w's gradient is d(weights) * s[ids]."""
     acc = grad_w.dtype
     l = logits.to(acc)
+    base = None
     if routing == "softmax_topk":
         base = torch.softmax(l, dim=-1)
         w0 = base.gather(1, topk_ids)
@@ -308,6 +321,13 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
     else:
         base = torch.sigmoid(l)
         w0 = base.gather(1, topk_ids)
+    d_scale = None
+    if expert_scale is not None:
+        w = _renorm_and_scale(w0, renormalize=renormalize, renorm_eps=renorm_eps, renorm_min=renorm_min,
+                              routed_scale=routed_scale)
+        d_scale = torch.zeros(expert_scale.shape, dtype=acc, device=l.device).index_add_(
+            0, topk_ids.reshape(-1), (grad_w * w).reshape(-1))
+        grad_w = grad_w * _expert_scale_at(expert_scale, topk_ids, acc)
     d = grad_w * routed_scale
     if renormalize:
         # The sum's gradient stops where the clamp holds it at renorm_min (torch.clamp passes it at equality).
@@ -315,6 +335,12 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
         denom = _renorm_denominator(total, renorm_eps=renorm_eps, renorm_min=renorm_min)
         w1 = w0 / denom
         d = (d - (total >= renorm_min) * (d * w1).sum(dim=-1, keepdim=True)) / denom
+    return _logits_grad(l, base, w0, topk_ids, d, routing), d_scale
+
+
+def _logits_grad(l, base, w0, topk_ids, d, routing):
+    """d(logits) from d(w0), the gradient of the pre-renormalisation weights w0 (`base`: the per-expert scores
+    they were gathered from, where there are any)."""
     # Scattered with adds: given ids (`expert_ids`) may name an expert twice in a row, and both slots count.
     if routing == "softmax_topk":
         dp = torch.zeros_like(l).scatter_add_(1, topk_ids, d)
@@ -343,7 +369,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
                                  renorm_min=0.0, group_top=2, gate_up_out=None, router_logits=None,
-                                 routing_layout=None):
+                                 routing_layout=None, expert_scale=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 
@@ -351,7 +377,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.
 
     Returns (grad_hidden_states, grad_router, grad_router_bias, grad_gate_up_proj, grad_gate_up_bias,
-    grad_down_proj, grad_down_bias); bias gradients are None where the bias is None.
+    grad_down_proj, grad_down_bias, grad_expert_scale); gradients are None where their input is None.
     """
     x = hidden_states
     T, H = x.shape
@@ -421,8 +447,9 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     if grad_topk_weights is not None:
         d_wts = d_wts + grad_topk_weights.to(acc)
     logits = _logits_of(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
-    d_logits = routing_backward(logits, topk_weights, topk_ids, d_wts, routing=routing, renormalize=renormalize,
-                                renorm_eps=renorm_eps, routed_scale=routed_scale, renorm_min=renorm_min)
+    d_logits, d_scale = routing_backward(logits, topk_weights, topk_ids, d_wts, routing=routing,
+                                         renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale,
+                                         renorm_min=renorm_min, expert_scale=expert_scale)
     if router_is_logits:
         d_router, d_router_bias = d_logits.to(router.dtype), None
     else:
@@ -437,4 +464,5 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         None if d_b1 is None else d_b1.to(gate_up_bias.dtype),
         d_w2.to(down_proj.dtype),
         None if d_b2 is None else d_b2.to(down_bias.dtype),
+        None if d_scale is None else d_scale.to(expert_scale.dtype),
     )

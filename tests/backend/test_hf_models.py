@@ -100,6 +100,18 @@ def test_deepseek_v4_trains_fused():
         assert err <= 1e-13, f"grad of {name}: relative max error {err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemma4_trains_fused(dtype):
+    """Gemma 4: each layer's router (on its own normalisation of the residual) and experts are separate modules,
+    and the router multiplies the weights by a learned per-expert scale. Every layer fused, the scale as the op's
+    expert_scale; logits, loss and every gradient (the scale's included) as eager's."""
+    pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    model = tiny_model("gemma4", dtype)
+    model.set_experts_implementation("grouped_mm")
+    assert sum(n.endswith("per_expert_scale") for n, _ in model.named_parameters()) == NUM_LAYERS
+    _check_step(model, dtype, train=True)
+
+
 def test_openai_privacy_filter_trains_fused():
     """OpenAI's privacy filter (an encoder; routing weights divided by top_k, the experts' sum multiplied by it after
     the block): every layer fused under backend="mok", its output and every parameter gradient as eager's (fp32)."""

@@ -243,10 +243,44 @@ def test_given_ids_keep_the_op_whole_and_decompose_on_refbackend():
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
 
 
+class _ScaledExperts(torch.nn.Module):
+    """Mixtral's routed experts with a learned per-expert weight scale (Gemma 4's `per_expert_scale`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = FusedMoE("mixtral")
+        self.register_buffer("scale", torch.rand(SIZES.experts, generator=torch.Generator().manual_seed(1)) + 0.5)
+
+    def forward(self, x):
+        m = self.moe
+        return torch.ops.mok.fused_moe(x, *(getattr(m, n) for n in m.names), **m.kw, expert_scale=self.scale)
+
+
+def test_expert_scale_keeps_the_op_whole_and_decomposes_on_refbackend():
+    """`expert_scale` through both forms: the torch-backend form keeps one op taking the scale; the decomposed
+    linalg form runs on RefBackend with the op's numbers at token counts other than the example's."""
+    moe = _ScaledExperts()
+    kept = export_mlir(moe, _x(5), output_type="torch", dynamic_shapes=(_tokens(),), fuse=False)
+    assert kept.num_fused_ops == 1
+    lowered = export_mlir(moe, _x(5), output_type="linalg-on-tensors", dynamic_shapes=(_tokens(),), fuse=False)
+    assert lowered.num_fused_ops == 0
+    run = RefBackendFunction(lowered.module)
+    for tokens in (1, 6, 37):
+        x = _x(tokens, seed=tokens)
+        out, weights, ids = run(x)
+        with torch.no_grad():
+            ref_out, ref_weights, ref_ids = moe(x)
+            unscaled = moe.moe(x)[1]
+        assert torch.equal(ids, ref_ids)
+        assert not torch.allclose(ref_weights, unscaled)  # the scale is in the weights
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+
+
 def test_abstract_interp_library_follows_the_schema():
     """The shape/dtype functions take every argument of the registered schema, the trailing ones included."""
     schema = torch.ops.mok.fused_moe.default._schema
-    assert schema.arguments[-1].name == "expert_ids"
+    assert [a.name for a in schema.arguments[-2:]] == ["expert_ids", "expert_scale"]
     text = abstract_interp_library()
     for fn in ("shape_fn", "dtype_fn"):
         sig = re.search(rf'__torch_mlir_{fn}\.torch\.mok\.fused_moe"\((.*?)\) ->', text).group(1)

@@ -60,7 +60,7 @@ def compare(device, low):
                                     renorm_eps=0.0, routed_scale=1.5, renorm_min=low_min)
         d_w = parts.sum(0)[disp.pair_pos.long()].view(T, K)
         r_dl = reference.routing_backward(logits, w, ids, d_w.double(), routing=kind, renormalize=True,
-                                          renorm_eps=0.0, routed_scale=1.5, renorm_min=low_min)
+                                          renorm_eps=0.0, routed_scale=1.5, renorm_min=low_min)[0]
         res.append(dict(case=[T, E, K, kind, str(dtype)], ids_equal=bool(torch.equal(ids.gather(1, order),
                                                                                         r_ids.gather(1, r_order))),
                         bias_changed_choice=bool((unbiased.sort(1)[0] != r_ids.sort(1)[0]).any()),

@@ -41,7 +41,7 @@ def compare(device):
                             renorm_eps=0.0, routed_scale=1.0)
         dl_truth = reference.routing_backward(logits.double(), None, ids, dw.view(T, K).double(),
                                               routing="sqrtsoftplus_topk", renormalize=False, renorm_eps=0.0,
-                                              routed_scale=1.0)
+                                              routed_scale=1.0)[0]
         res[K] = dict(ids_equal=bool(torch.equal(ids.sort(-1).values, want_ids)),
                       w_excess=excess(w, want_w), finite=bool(torch.isfinite(dl).all()),
                       dl_excess=excess(dl, dl_truth, rel=2e-6))

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 FWD_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
-GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
+GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2", "dscale")
 
 
 # (MOK_GEMM_ENGINE, MOK_TMA)

@@ -266,7 +266,8 @@ def dense_oracle(args, kwargs):
 
     Weights are keyed by expert id, so comparisons do not depend on the order in
     which a kernel returns the k choices. With `expert_ids` in `kwargs` (given ids, which may repeat an expert
-    in a row: then the key holds the last slot's weight) those are the chosen experts, in their order.
+    in a row: then the key holds the last slot's weight) those are the chosen experts, in their order. With
+    `expert_scale`, each weight is multiplied last by its expert's value.
     """
     kw = with_defaults(kwargs)
     spec = ExpertSpec(**{f.name: kw[f.name] for f in dataclasses.fields(ExpertSpec)})
@@ -312,6 +313,8 @@ def dense_oracle(args, kwargs):
         if kw["renormalize"]:
             w = w / (torch.clamp(w.sum(), min=kw["renorm_min"]) + kw["renorm_eps"])
         w = w * kw["routed_scale"]
+        if kw.get("expert_scale") is not None:  # Gemma 4's per-expert weight scale
+            w = w * kw["expert_scale"][chosen]
         y = torch.zeros_like(x[t])
         for k, e in enumerate(chosen):
             xin = x[t] * w[k] if kw["weight_on_input"] else x[t]  # Llama4: the weight scales the input

@@ -463,18 +463,22 @@ def test_longcat_flash_zero_computation_experts_not_fused():
     torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
 
 
-def _gemma4_model(per_expert_scale: bool):
-    """Gemma 4 cut to 2 layers. Without `per_expert_scale` each layer's router is one that leaves its per-expert
-    weight scale out (everything else as Gemma4TextRouter computes it)."""
+def _gemma4_model(router: str = "hf"):
+    """Gemma 4 cut to 2 layers. `router`: "hf" (Gemma4TextRouter), "unscaled" (one that leaves its per-expert weight
+    scale out) or "rounded_scale" (one that rounds the gathered scale to bf16 before multiplying); everything else as
+    Gemma4TextRouter computes it."""
     modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
     from transformers import AutoModelForCausalLM
 
-    class RouterWithoutScale(modeling.Gemma4TextRouter):
+    class Router(modeling.Gemma4TextRouter):
         def forward(self, hidden_states):
             hidden_states = self.norm(hidden_states) * self.scale * self.scalar_root_size
             probs = torch.nn.functional.softmax(self.proj(hidden_states), dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, k=self.config.top_k_experts, dim=-1)
-            return probs, weights / weights.sum(dim=-1, keepdim=True), ids
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            if router == "rounded_scale":
+                weights = weights * self.per_expert_scale[ids].to(torch.bfloat16)
+            return probs, weights, ids
 
     config = modeling.Gemma4TextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -482,11 +486,11 @@ def _gemma4_model(per_expert_scale: bool):
         moe_intermediate_size=32, hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"],
         sliding_window=32, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config)
-    if not per_expert_scale:
+    if router != "hf":
         for layer in model.model.layers:
-            router = RouterWithoutScale(config)
-            router.load_state_dict(layer.router.state_dict())
-            layer.router = router
+            replaced = Router(config)
+            replaced.load_state_dict(layer.router.state_dict())
+            layer.router = replaced
     init_moe_weights_(model).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -496,28 +500,46 @@ def _gemma4_model(per_expert_scale: bool):
     return model
 
 
+def _fused_ops(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+
+
 def test_gemma4_moe_fused_without_its_per_expert_scale():
     """Gemma 4's layer routes on one normalisation of the residual and runs its experts on another: the logits
     are the op's router argument (router_is_logits) and the router's norm and linear stay in the graph. With the
     per-expert weight scale left out of the router, both layers fuse; logits equal eager's."""
-    model = _gemma4_model(per_expert_scale=False)
+    model = _gemma4_model("unscaled")
     (graph,), eager = capture(model, torch.randint(0, 128, (2, 7)), use_cache=False)
     gm, example = graph
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [True, True] and count_fused(gm) == 2, str(report)
     assert all(b.routing.router_is_logits and b.experts.activation == "gelu_tanh" for b in report.blocks)
+    assert all("expert_scale" not in n.kwargs for n in _fused_ops(gm))
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
 
 
-def test_gemma4_moe_with_per_expert_scale_not_fused():
-    """Near miss: Gemma 4 as it is multiplies the renormalised weights by a learned per-expert scale gathered at
-    the ids, which the op does not have: left as it is, with that reason."""
-    model = _gemma4_model(per_expert_scale=True)
+def test_gemma4_moe_fused_with_its_per_expert_scale():
+    """Gemma 4 as it is multiplies the renormalised weights by a learned per-expert scale gathered at the ids: the
+    parameter is the op's `expert_scale`. Both layers fuse; logits equal eager's."""
+    model = _gemma4_model("hf")
+    (graph,), eager = capture(model, torch.randint(0, 128, (2, 7)), use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True, True] and count_fused(gm) == 2, str(report)
+    scales = [n.kwargs.get("expert_scale") for n in _fused_ops(gm)]
+    assert all(s is not None and s.op == "placeholder" and "per_expert_scale" in s.name for s in scales), scales
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
+
+
+def test_gemma4_moe_with_a_rounded_per_expert_scale_not_fused():
+    """Near miss: a router that rounds the gathered scale to bf16 in the block (the op multiplies by the scale as
+    it is): left as it is, with that reason."""
+    model = _gemma4_model("rounded_scale")
     (graph,), eager = capture(model, torch.randint(0, 128, (2, 7)), use_cache=False)
     gm, example = graph
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [False, False] and count_fused(gm) == 0, str(report)
-    assert all("multiplied by a per-expert tensor gathered at the expert ids" in b.reason for b in report.blocks)
+    assert all("per-expert scale rounded to torch.bfloat16 in the block" in b.reason for b in report.blocks)
     torch.testing.assert_close(run(gm, example)[0], eager.logits, atol=0, rtol=0)
 
 
