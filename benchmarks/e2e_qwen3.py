@@ -1,6 +1,6 @@
 """End to end: a 4-layer Qwen3-MoE at the 30B-A3B layer sizes, backend="mok" vs backend="inductor".
 
-    python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2] [--ddp]
+    python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2] [--ddp] [--model gemma4]
     python -m benchmarks.e2e_qwen3 --out DIR --decode 1,8,64
     python -m benchmarks.e2e_qwen3 --out DIR --seq 256 --batch 1 --mode reduce-overhead
     torchrun --nproc-per-node 2 -m benchmarks.e2e_qwen3 --out DIR --ddp     # DDP over two GPUs
@@ -24,6 +24,10 @@ host on both sides (NOTES v52), and "reduce-overhead" replays each compiled grap
 --decode B,... times, per batch size B, a decode-shaped forward instead (B sequences of one token, no KV cache,
 no_grad; the MoE layers see T = B tokens), in default mode: inductor, mok, and mok with the op's few-token CUDA
 graphs off (`mok_compile.kernels.graphs`, NOTES v49), in alternating rounds.
+--model gemma4 runs a Gemma 4 text model instead, every layer with a dense MLP and an MoE block beside it (its router
+on its own normalisation of the residual, weights times a learned per-expert scale: the op's `expert_scale`), at
+sizes chosen here: hidden 2816, 128 experts top-8 of intermediate 704, dense MLP 2112, 16 heads of 256 (8 KV),
+three sliding-window layers (1024) and a global one, vocabulary 262144 (tied).
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -41,29 +45,50 @@ import time
 import torch
 
 
-def build_model(layers, seq):
+# The MoE layer's (H, I, E, K) of each --model.
+MOE_SIZES = {"qwen3": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8)}
+
+
+def _config(model, layers, seq):
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                            num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32,
-                            num_key_value_heads=4, head_dim=128, vocab_size=151936, num_hidden_layers=layers,
-                            max_position_embeddings=max(seq, 4096))
+    if model == "gemma4":
+        return tf.Gemma4TextConfig(
+            hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704, num_experts=128, top_k_experts=8,
+            enable_moe_block=True, num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262144,
+            hidden_size_per_layer_input=0, sliding_window=1024, num_hidden_layers=layers,
+            layer_types=["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)],
+            max_position_embeddings=max(seq, 4096))
+    return tf.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                             num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, vocab_size=151936, num_hidden_layers=layers,
+                             max_position_embeddings=max(seq, 4096))
+
+
+def build_model(layers, seq, model="qwen3"):
+    """`model`'s CausalLM, bf16 on the GPU, random weights (std 0.02; norms and Gemma 4's router input scale 1,
+    its per-expert weight scales uniform in [0.5, 1.5])."""
+    import transformers as tf
+
+    cfg = _config(model, layers, seq)
     cfg._experts_implementation = "grouped_mm"
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = tf.Qwen3MoeForCausalLM(cfg)
+            lm = tf.AutoModelForCausalLM.from_config(cfg)
     finally:
         torch.set_default_dtype(old)
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for name, p in lm.named_parameters():
+            if "norm" in name or name.endswith("router.scale"):
                 p.fill_(1.0)
+            elif name.endswith("per_expert_scale"):
+                p.copy_(torch.rand(p.shape, device="cuda", generator=gen) + 0.5)
             else:
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
-    return model.train()
+    return lm.train()
 
 
 def step_split(step) -> dict:
@@ -88,12 +113,12 @@ def step_split(step) -> dict:
     return {"gpu_moe_ms": moe / 1e3}
 
 
-def print_bound(results, layers, tokens):
+def print_bound(results, layers, tokens, model="qwen3"):
     """The best training speedup over inductor if every MoE layer ran at its fwd+bwd floor."""
     from benchmarks.moe_layer import measure_ceilings
 
     ceil = measure_ceilings()
-    H, I, E, K = 2048, 768, 128, 8
+    H, I, E, K = MOE_SIZES[model]
     flops = 3 * tokens * K * 3 * 2 * H * I
     weight_bytes = 3 * E * 3 * H * I * 2
     floor_ms = max(flops / ceil["matmul_tflops"] / 1e9, weight_bytes / ceil["copy_tbps"] / 1e9)
@@ -108,7 +133,7 @@ def print_bound(results, layers, tokens):
           f"at most {best:.2f}x over inductor ({results['inductor']['train_ms']:.1f} ms)", flush=True)
 
 
-def decode(model, batches, out):
+def decode(model, batches, out, name="qwen3"):
     """Per batch size: ms of a one-token forward of B sequences under inductor, mok, and mok without the op's
     graphs; x = inductor's time / that column's."""
     from benchmarks.moe_layer import time_in_rounds, with_op_graphs
@@ -128,7 +153,8 @@ def decode(model, batches, out):
     results = {}
     print("| B | inductor ms | mok ms | x | mok, op graphs off ms | x |\n|---|---|---|---|---|---|", flush=True)
     for B in batches:
-        ids = torch.randint(0, 151936, (B, 1), device="cuda", generator=torch.Generator(device="cuda").manual_seed(B))
+        ids = torch.randint(0, model.config.vocab_size, (B, 1), device="cuda",
+                            generator=torch.Generator(device="cuda").manual_seed(B))
 
         timed = [("inductor", with_op_graphs(functools.partial(compiled["inductor"], ids), False)),
                  ("mok", with_op_graphs(functools.partial(compiled["mok"], ids), True)),
@@ -140,7 +166,7 @@ def decode(model, batches, out):
         results[B] = t
         print(f"| {B} | {t['inductor']:.3f} | {t['mok']:.3f} | {t['inductor'] / t['mok']:.2f} | {t['mok off']:.3f} "
               f"| {t['inductor'] / t['mok off']:.2f} |", flush=True)
-    with open(os.path.join(out, "e2e_qwen3_decode.json"), "w") as f:
+    with open(os.path.join(out, f"e2e_{name}_decode.json"), "w") as f:
         json.dump(results, f, indent=1)
 
 
@@ -157,10 +183,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds, every variant once per round")
     ap.add_argument("--mode", default=None, help='torch.compile mode of both backends, e.g. "reduce-overhead"')
     ap.add_argument("--decode", help="comma-separated batch sizes: time one-token forwards instead (docstring)")
+    ap.add_argument("--model", default="qwen3", choices=sorted(MOE_SIZES), help="the model (see the docstring)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
-        return decode(build_model(args.layers, args.seq).eval(), [int(b) for b in args.decode.split(",")], args.out)
+        return decode(build_model(args.layers, args.seq, args.model).eval(), [int(b) for b in args.decode.split(",")],
+                      args.out, args.model)
     from benchmarks.moe_layer import time_in_rounds
     from benchmarks.power import ms_per_call
     from mok_compile.backend import mok_backend
@@ -178,15 +206,16 @@ def main():
         rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)  # build_model's "cuda" is this rank's GPU
         dist.init_process_group("nccl")
-        model = DDP(build_model(args.layers, args.seq), device_ids=[local])
+        model = DDP(build_model(args.layers, args.seq, args.model), device_ids=[local])
         whole = functools.partial(mok_backend, options={"ddp_buckets": False})
         variants = [("inductor (DDP)", "inductor", True), ("mok (DDP, Dynamo cuts)", mok_backend, True),
                     ("mok (DDP, optimize_ddp=False)", mok_backend, False),
                     ("mok (DDP, optimize_ddp=False, uncut)", whole, False)]
     else:
-        model = build_model(args.layers, args.seq)
+        model = build_model(args.layers, args.seq, args.model)
     say = print if rank == 0 else (lambda *a, **k: None)
-    ids = torch.randint(0, 151936, (args.batch, args.seq), device="cuda",
+    vocab = (model.module if args.ddp else model).config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(rank))
     tokens = args.batch * args.seq
     results, tails, steps = {}, {}, {}
@@ -249,9 +278,9 @@ def main():
             f"{r[name]['prefill_tok_s'] / r[base]['prefill_tok_s']:.2f}x; logits rel err {err:.1e}; "
             f"{r[name]['mok_counters']}")
     if args.profile and not args.ddp:
-        print_bound(results, args.layers, tokens)
+        print_bound(results, args.layers, tokens, args.model)
     if rank == 0:
-        name = "e2e_qwen3" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "") + ".json"
+        name = f"e2e_{args.model}" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "") + ".json"
         results["mode"] = args.mode
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(results, f, indent=1)

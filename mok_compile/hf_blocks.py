@@ -136,10 +136,10 @@ def new_block(family: str, cfg):
 
 def keep_fp32_parts_(family: str, block):
     """Put back in fp32 what HF keeps in fp32 in a 16-bit model: the router (`FP32_ROUTER_FAMILIES`) or the
-    selection bias (`FP32_SELECTION_BIAS_FAMILIES`)."""
+    selection bias (`FP32_SELECTION_BIAS_FAMILIES`; a hash-routed DeepSeek-V4 block's router has none)."""
     if family in FP32_ROUTER_FAMILIES:
         block.gate.float()
-    elif family in FP32_SELECTION_BIAS_FAMILIES:
+    elif family in FP32_SELECTION_BIAS_FAMILIES and hasattr(block.gate, "e_score_correction_bias"):
         block.gate.e_score_correction_bias = block.gate.e_score_correction_bias.float()
     return block
 

@@ -87,12 +87,14 @@ def test_expert_scale_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 3, 300])
-def test_expert_scale_through_autograd_on_cuda(T):
+def test_expert_scale_through_autograd_on_cuda(T, monkeypatch):
     """bf16 at Gemma 4's expert count (128, top-8), through the op's autograd: the first call runs the launches, the
-    second captures a CUDA graph at few tokens, the third replays it. Every call gives the same bits, within bf16
-    rounding of the reference, and the scale's gradient in its own dtype."""
+    second captures CUDA graphs at few tokens (forward and backward), the third replays them, a fourth runs with the
+    graphs off. Every call gives the same bits, within bf16 rounding of the reference, and the scale's gradient in
+    its own dtype."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from mok_compile.kernels import graphs
     from mok_compile.ops import reference
     from tests.kernels.cases import rel_err
 
@@ -107,13 +109,22 @@ def test_expert_scale_through_autograd_on_cuda(T):
     scale = (torch.rand(E, generator=g) + 0.5).to("cuda", torch.bfloat16)
     go = rnd(T, H, scale=1.0)
     kw = dict(top_k=K, renormalize=True, activation="gelu_tanh")
+    weights = [t.clone().requires_grad_() for t in (router, w1, w2, scale)]  # one set: graphs key them by address
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
     runs = []
-    for _ in range(3):
-        leaves = [t.clone().requires_grad_() for t in (x, router, w1, w2, scale)]
+    for call in range(4):
+        if call == 3:
+            monkeypatch.setattr(graphs, "max_tokens", 0)
+        replays.clear()
+        leaves = [x.clone().requires_grad_(), *weights]
         lx, lr, l1, l2, ls = leaves
         out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw, expert_scale=ls)
         grads = torch.autograd.grad((out * go).sum(), leaves)
         runs.append((out, w, ids, *grads))
+        if call == 2:  # forward and backward replayed where the tokens are few enough
+            assert (len(replays) >= 2) if T <= graphs.max_tokens else not replays, len(replays)
     for later in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
     out, w, ids, *grads = runs[0]
