@@ -543,12 +543,20 @@ def _foreign_activation(flow: Dataflow, ids: fx.Node, clean: set[fx.Node], root:
     """The [T, H] activation the experts compute on where it is not the router's input `root` (Gemma 4's experts
     read a second normalisation of the residual, its router the first): behind the values the dispatched ids meet,
     the one activation of T rows other than `root` that is not clean (computed from other activations) or is a
-    graph input (a module compiled alone takes its activation as a placeholder, as it takes its weights); None if
-    there is none, or several."""
+    graph input other than a parameter (a module compiled alone takes its activation as a placeholder, as it takes
+    its weights; the ids also reach the later layers, whose weights may have T rows: Gemma 4's global attention's
+    query projection has 8192 at 2 x 4096 tokens); None if there is none, or several."""
     reach = flow.forward_slice([ids])
     met = {a for n in reach for a in flow.inputs(n) if a not in reach}
     behind = flow.backward_slice(met, lambda m: m not in clean or m.op == "placeholder" or m is root)
     found = [m for m in flow.sorted(behind)
-             if m is not root and (m not in clean or m.op == "placeholder") and (meta := tensor_meta(m)) is not None
-             and meta.is_floating_point() and meta.dim() == 2 and same(meta.shape[0], T)]
+             if m is not root and (m not in clean or m.op == "placeholder" and not _is_parameter(m))
+             and (meta := tensor_meta(m)) is not None and meta.is_floating_point() and meta.dim() == 2
+             and same(meta.shape[0], T)]
     return found[0] if len(found) == 1 else None
+
+
+def _is_parameter(n: fx.Node) -> bool:
+    """A graph input that Dynamo took from an `nn.Parameter` (its example value is one): a weight, never an
+    activation."""
+    return isinstance(n.meta.get("example_value", n.meta.get("val")), torch.nn.Parameter)

@@ -237,6 +237,19 @@ class SeparateRouterInputMoE(StackedGatherMoE):
         return super().route(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+class RouterInputThenTallLinearMoE(SeparateRouterInputMoE):
+    """A router on a normalised copy of x, then a linear whose weight has as many rows as there are tokens (Gemma 4's
+    global attention's query projection has 8192 rows, the tokens of a 2 x 4096 batch): a parameter of T rows that
+    the expert ids reach, which is no activation of the experts."""
+
+    def __init__(self, tokens, hidden=32, **kw):
+        super().__init__(hidden=hidden, **kw)
+        self.after = nn.Linear(hidden, tokens, bias=False)
+
+    def forward(self, x):
+        return self.after(super().forward(x))
+
+
 class TwoActivationExpertsMoE(StackedGatherMoE):
     """Near miss: routed on one input (z), the experts compute on another (x), and each slot's output is also
     multiplied by z: the experts read two activations, which the op does not take."""

@@ -145,6 +145,16 @@ def test_router_on_another_input_fused_with_its_logits(router_input):
         torch.testing.assert_close(fused, eager_grad, atol=1e-5, rtol=1e-5)
 
 
+def test_separate_router_input_with_a_tall_parameter_after_fused():
+    """The experts' activation is found among the block's inputs of T rows, and a later parameter of T rows (the
+    ids reach every later layer) is not one: fused, outputs as eager's."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.RouterInputThenTallLinearMoE(tokens=24), torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].routing.router_is_logits
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
 def test_experts_on_two_activations_untouched():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.TwoActivationExpertsMoE(), torch.randn(24, 32), torch.randn(24, 32))
