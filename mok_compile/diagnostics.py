@@ -157,6 +157,8 @@ def describe_block(b) -> str:
             extras.append(f"groups={r.topk_group}/{r.n_group}")
         if b.given_ids:
             extras.append("ids_given")
+        if b.expert_scale:
+            extras.append("expert_scale")
         parts.append(routing + (f"({', '.join(extras)})" if extras else ""))
     if b.experts is not None:
         e = b.experts

@@ -58,6 +58,7 @@ class BlockReport:
     experts: ExpertSpec | None = None
     dtype: torch.dtype | None = None
     given_ids: bool = False  # the expert ids come from outside the block (hash routing): the op's expert_ids
+    expert_scale: bool = False  # the weights are multiplied by a per-expert tensor (Gemma 4): the op's expert_scale
 
 
 @dataclass
@@ -153,7 +154,7 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
     report.form, report.given_ids = region_form(region), region.given_ids
     router = match_router(region)
-    report.routing = router.spec
+    report.routing, report.expert_scale = router.spec, router.expert_scale is not None
     experts = match_experts(flow, region, router)
     report.form, report.intermediate = experts.form, experts.intermediate
     # Dense weight-on-input routing (Llama4): the graph's weights are [T, E] scores, not the op's [T, K] weights;

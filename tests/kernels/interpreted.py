@@ -71,3 +71,19 @@ def interpreted_stdout(argv: list, timeout: float = 300) -> str:
 def run_interpreted(script: str, timeout: float = 300):
     """The JSON value on the last line that `script` prints, run interpreted."""
     return json.loads(interpreted_stdout(["-c", script], timeout).splitlines()[-1])
+
+
+def run_compare(case: str, device: str):
+    """What `compare(device, seed)`, defined by the Python source `case`, returns: run interpreted in a subprocess
+    on the CPU (seed 0), or in this process on CUDA (a random seed, TF32 off; the test is skipped without CUDA)."""
+    if device == "cpu":
+        return run_interpreted(case + "import json\nprint(json.dumps(compare('cpu', 0)))\n")
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    namespace = {}
+    exec(case, namespace)  # noqa: S102 - the same case as the interpreted test
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return namespace["compare"]("cuda", int(torch.randint(0, 2**31, ())))

@@ -8,7 +8,7 @@ TRITON_INTERPRET=1 in a subprocess, and on the GPU."""
 import pytest
 import torch
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import run_compare
 
 pytest.importorskip("triton")
 
@@ -72,17 +72,12 @@ def _check(results, tol=2e-5):
 
 
 def test_expert_scale_interpreted():
-    _check(run_interpreted(_CASE + "import json\nprint(json.dumps(compare('cpu', 0)))\n"))
+    _check(run_compare(_CASE, "cpu"))
 
 
 @pytest.mark.gpu
 def test_expert_scale_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    namespace = {}
-    exec(_CASE, namespace)  # noqa: S102 - the same case as the interpreted test
-    torch.backends.cuda.matmul.allow_tf32 = False
-    _check(namespace["compare"]("cuda", int(torch.randint(0, 2**31, ()))))
+    _check(run_compare(_CASE, "cuda"))
 
 
 @pytest.mark.gpu

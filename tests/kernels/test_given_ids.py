@@ -6,14 +6,12 @@ launch) and at one it does not (scan and scatter launches). Run under TRITON_INT
 GPU."""
 
 import pytest
-import torch
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import run_compare
 
 pytest.importorskip("triton")
 
 _CASE = r"""
-import torch
 from mok_compile.kernels import moe
 from mok_compile.ops import reference
 from tests.kernels.cases import rel_err
@@ -63,14 +61,9 @@ def _check(results, tol=2e-5):
 
 
 def test_given_ids_interpreted():
-    _check(run_interpreted(_CASE + "import json\nprint(json.dumps(compare('cpu', 0)))\n"))
+    _check(run_compare(_CASE, "cpu"))
 
 
 @pytest.mark.gpu
 def test_given_ids_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    namespace = {}
-    exec(_CASE, namespace)  # noqa: S102 - the same case as the interpreted test
-    torch.backends.cuda.matmul.allow_tf32 = False
-    _check(namespace["compare"]("cuda", int(torch.randint(0, 2**31, ()))))
+    _check(run_compare(_CASE, "cuda"))

@@ -515,6 +515,7 @@ def test_gemma4_moe_fused_without_its_per_expert_scale():
     assert [b.fused for b in report.blocks] == [True, True] and count_fused(gm) == 2, str(report)
     assert all(b.routing.router_is_logits and b.experts.activation == "gelu_tanh" for b in report.blocks)
     assert all("expert_scale" not in n.kwargs for n in _fused_ops(gm))
+    assert not any(b.expert_scale for b in report.blocks)
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
 
 
@@ -528,6 +529,8 @@ def test_gemma4_moe_fused_with_its_per_expert_scale():
     assert [b.fused for b in report.blocks] == [True, True] and count_fused(gm) == 2, str(report)
     scales = [n.kwargs.get("expert_scale") for n in _fused_ops(gm)]
     assert all(s is not None and s.op == "placeholder" and "per_expert_scale" in s.name for s in scales), scales
+    assert all(b.expert_scale and "softmax_topk(renorm, logits_kept, expert_scale)" in describe_block(b)
+               for b in report.blocks), str(report)
     torch.testing.assert_close(run(gm, example)[0], eager.logits, **TOL[torch.float32])
 
 
