@@ -12,6 +12,7 @@ from tests.kernels.interpreted import run_compare
 pytest.importorskip("triton")
 
 _CASE = r"""
+import torch
 from mok_compile.kernels import moe
 from mok_compile.ops import reference
 from tests.kernels.cases import rel_err
