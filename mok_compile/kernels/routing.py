@@ -406,7 +406,7 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
     """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
     position. With `expert_scale`: (d(logits), [T*K] fp32 each pair's part of d(expert_scale) at its sorted
-    position), for `expert_scale_grad`."""
+    position), which the caller sums per expert (`moe._backward`)."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = route_backward_block(E, T)

@@ -471,7 +471,7 @@ class _FusedMoeFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(tensors[0])
         args = (grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids)
-        keyset = _keyset_of((*args, *rest))
+        keyset = _keyset_of((*args, *rest, kwargs.get("expert_scale")))
         if not rest:
             grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, kwargs)
         else:
