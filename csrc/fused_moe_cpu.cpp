@@ -115,6 +115,13 @@ Tensor renorm_denominator(const Tensor& total, const MoeOptions& o) {
   return denom;
 }
 
+// w renormalised and scaled where the options say so (reference._renorm_and_scale).
+Tensor renorm_and_scale(Tensor w, const MoeOptions& o) {
+  if (o.renormalize) w = w / renorm_denominator(sum_last(w), o);
+  if (o.routed_scale != 1.0) w = w * o.routed_scale;
+  return w;
+}
+
 // expert_scale[ids] in `dtype` (reference._expert_scale_at).
 Tensor expert_scale_at(const Tensor& expert_scale, const Tensor& ids, at::ScalarType dtype) {
   return expert_scale.to(dtype).index_select(0, ids.reshape({-1})).view(ids.sizes());
@@ -162,8 +169,7 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   } else if (o.routing == "topk_sigmoid") {
     w = (o.softmax_fp32 ? upcast(top) : top).sigmoid();
   }
-  if (o.renormalize) w = w / renorm_denominator(sum_last(w), o);
-  if (o.routed_scale != 1.0) w = w * o.routed_scale;
+  w = renorm_and_scale(w, o);
   if (expert_scale.has_value()) {
     w = w * expert_scale_at(*expert_scale, ids, at::promote_types(w.scalar_type(), expert_scale->scalar_type()));
   }
@@ -192,8 +198,7 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, Tensor grad_w, 
     w0 = base.gather(1, ids);
   }
   if (expert_scale.has_value()) {
-    Tensor w = o.renormalize ? w0 / renorm_denominator(sum_last(w0), o) : w0;
-    if (o.routed_scale != 1.0) w = w * o.routed_scale;
+    const Tensor w = renorm_and_scale(w0, o);
     *d_scale = at::zeros({expert_scale->size(0)}, grad_w.options())
                    .index_add_(0, ids.reshape({-1}), (grad_w * w).reshape({-1}));
     grad_w = grad_w * expert_scale_at(*expert_scale, ids, grad_w.scalar_type());
