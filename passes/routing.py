@@ -244,18 +244,17 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
             routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
-        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3 and expert_scale is None:
+        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3:
             scale, stage = scale * number(u.args[1]), 3
-        elif (name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3
-              and expert_scale is None):
+        elif name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3:
             # w / c as w * (1 / c): exact for a power of two (OpenAI privacy filter's / top_k), else within an ulp
             # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
             scale, stage = scale / number(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
             if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
                 stage = 4
-        elif name == "mul" and stage <= 3 and expert_scale is None and _per_expert(region, _other(u, w)):
-            expert_scale, stage = _expert_scale(region, _other(u, w)), 3
+        elif name == "mul" and stage <= 3 and _per_expert(region, _other(u, w)):
+            expert_scale, stage = _expert_scale(region, _other(u, w)), 4  # only casts may follow
         else:
             break
         w = u
