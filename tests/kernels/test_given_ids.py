@@ -15,7 +15,7 @@ _CASE = r"""
 import torch
 from mok_compile.kernels import moe
 from mok_compile.ops import reference
-from tests.kernels.cases import rel_err
+from tests.kernels.cases import rel_err, small_layer
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk")
 
@@ -24,17 +24,12 @@ def compare(device, seed, dtype=torch.float32):
     res = {}
     for T in (5, 70):  # 70: more tokens than one routing program holds at E = 8 (64), so scan and scatter run
         H, E, I, K = 32, 8, 16, 3
-        x = (torch.randn(T, H, generator=g) * 0.5).to(device, dtype)
-        router = (torch.randn(E, H, generator=g) * 0.3).to(device, dtype)
-        w1 = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(device, dtype)
-        w2 = (torch.randn(E, H, I, generator=g) * 0.2).to(device, dtype)
-        b2 = (torch.randn(E, H, generator=g) * 0.1).to(device, dtype)
+        tensors = small_layer(T, H, E, I, g, device, dtype)
         ids = torch.randint(0, E, (T, K), generator=g)
         ids[0] = torch.tensor([2, 2, 2])  # one expert three times
         ids[T - 1] = torch.tensor([1, 6, 1])
         ids = ids.to(device)
         go = torch.randn(T, H, generator=g).to(device, dtype)
-        tensors = (x, router, None, None, w1, None, w2, b2)
         for routing in ROUTINGS if T < 64 else ROUTINGS[::4]:
             kw = dict(top_k=K, routing=routing, renormalize=routing != "topk_softmax", routed_scale=1.5,
                       renorm_eps=1e-20)
