@@ -1,7 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
     python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4,
-                                              deepseek_v4,deepseek_v4_hash]
+                                              deepseek_v4,deepseek_v4_hash,longcat]
         [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
@@ -67,6 +67,9 @@ SHAPES = {
     # over the real vocabulary), weighted by the scores there; the op takes the looked-up ids (`expert_ids`).
     "deepseek_v4_hash": ("deepseek_v4", BlockSizes(hidden=4096, intermediate=2048, experts=256, top_k=6),
                          dict(mlp_layer_types=["hash_moe", "hash_moe"], vocab_size=129280), (256, 4096)),
+    # LongCat-Flash's layer at a quarter of its experts (128 of 512, and 64 of its 256 zero-computation experts: the
+    # op's identity experts), its hidden and expert sizes, top-12, fp32 router, routed scale 6.
+    "longcat": ("longcat_flash", BlockSizes(hidden=6144, intermediate=2048, experts=128, top_k=12), {}, (256, 4096)),
 }
 
 

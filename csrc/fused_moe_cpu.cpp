@@ -72,6 +72,7 @@ struct MoeOptions {
   bool weight_on_input;
   double renorm_min;
   int64_t group_top;
+  int64_t identity_experts;  // router choices past the experts: their pairs pass the token through, weighted
 };
 
 Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
@@ -315,11 +316,14 @@ Tensor activation_backward(const Tensor& h, const Tensor& da, const MoeOptions& 
 
 // ----------------------------------------------------------------------------- dispatch (grouping by expert)
 
-// The T*K (token, slot) pairs sorted by expert, stable (the order of reference.group_by_expert).
+// The T*K (token, slot) pairs sorted by expert, stable (the order of reference.group_by_expert). Pairs sent to
+// identity experts (ids E .. E+Z-1) sort after every expert's: rows from `computed_rows` on, which no expert runs.
 struct ExpertGroups {
   int64_t top_k = 1;
+  int64_t num_experts = 0;            // E: the experts that compute
+  int64_t computed_rows = 0;          // offsets[E]: the rows of those experts' pairs
   Tensor order;                       // [T*K] int64: pair index (t*K + k) of each sorted row
-  std::vector<int64_t> offsets;       // [E+1]: rows of expert e are offsets[e] .. offsets[e+1]
+  std::vector<int64_t> offsets;       // [E+Z+1]: rows of expert e are offsets[e] .. offsets[e+1]
   std::vector<int64_t> row_of_pair;   // inverse of order
   std::vector<int64_t> token_of_row;  // order // K
 
@@ -327,19 +331,22 @@ struct ExpertGroups {
   int64_t count(int64_t e) const { return offsets[e + 1] - offsets[e]; }
 };
 
-ExpertGroups group_by_expert(const Tensor& topk_ids, int64_t num_experts) {
+ExpertGroups group_by_expert(const Tensor& topk_ids, int64_t num_experts, int64_t identity_experts) {
   ExpertGroups g;
   Tensor ids = topk_ids.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   const int64_t* id = ids.const_data_ptr<int64_t>();
+  const int64_t choices = num_experts + identity_experts;
   g.top_k = ids.size(1);
-  g.offsets.assign(num_experts + 1, 0);
+  g.num_experts = num_experts;
+  g.offsets.assign(choices + 1, 0);
   for (int64_t p = 0; p < n; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "mok_cpu.fused_moe: topk_ids holds expert ", id[p],
-                ", outside [0, ", num_experts, ")");
+    TORCH_CHECK(id[p] >= 0 && id[p] < choices, "mok_cpu.fused_moe: topk_ids holds expert ", id[p],
+                ", outside [0, ", choices, ")");
     ++g.offsets[id[p] + 1];
   }
-  for (int64_t e = 0; e < num_experts; ++e) g.offsets[e + 1] += g.offsets[e];
+  for (int64_t e = 0; e < choices; ++e) g.offsets[e + 1] += g.offsets[e];
+  g.computed_rows = g.offsets[num_experts];
   g.order = at::empty({n}, ids.options());
   int64_t* order = g.order.data_ptr<int64_t>();
   g.row_of_pair.resize(n);
@@ -380,7 +387,7 @@ constexpr int64_t kMinParallelMacs = int64_t(1) << 22;
 template <typename F>
 void for_each_expert(const ExpertGroups& g, int64_t macs_per_row, const F& fn) {
   std::vector<int64_t> active;
-  for (int64_t e = 0; e + 1 < static_cast<int64_t>(g.offsets.size()); ++e) {
+  for (int64_t e = 0; e < g.num_experts; ++e) {
     if (g.count(e) > 0) active.push_back(e);
   }
   const int64_t threads = at::get_num_threads();
@@ -435,7 +442,8 @@ void advise_huge_pages(const Tensor& t) {
 // promoted dtype of y and w, as in the reference's `y * w`), summed over k in
 // order in its op-math type, rounded to prod_t, then to scalar_t.
 // Unweighted (weight_on_input): out[t] = sum_k ys[...], summed in scalar_t's op-math
-// type and rounded once (the reference's `y.sum(dim=1)`).
+// type and rounded once (the reference's `y.sum(dim=1)`). Identity pairs' rows (past
+// computed_rows) add nothing: their term is added by the caller.
 template <typename scalar_t, typename prod_t, bool weighted = true>
 void combine_rows(const Tensor& ys, const Tensor& w, const ExpertGroups& g, Tensor& out) {
   using acc_t = at::opmath_type<prod_t>;
@@ -448,7 +456,9 @@ void combine_rows(const Tensor& ys, const Tensor& w, const ExpertGroups& g, Tens
     for (int64_t t = t0; t < t1; ++t) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
       for (int64_t k = 0; k < K; ++k) {
-        const scalar_t* yr = y + g.row_of_pair[t * K + k] * H;
+        const int64_t row = g.row_of_pair[t * K + k];
+        if (row >= g.computed_rows) continue;
+        const scalar_t* yr = y + row * H;
         if constexpr (weighted) {
           const acc_t wk = static_cast<acc_t>(wp[t * K + k]);
           for (int64_t j = 0; j < H; ++j) {
@@ -489,7 +499,7 @@ Tensor combine(const Tensor& ys, const Tensor& topk_weights, const ExpertGroups&
 }
 
 // d_x[t] = sum of dx_rows over the token's rows, in row order (= expert order, the
-// order in which the reference's index_add_ adds them); d_x starts at zero.
+// order in which the reference's index_add_ adds them); d_x starts at zero. Identity pairs' rows are skipped.
 template <typename acc_t>
 void sum_rows_per_token(const Tensor& dx_rows, const ExpertGroups& g, Tensor& d_x) {
   const int64_t T = d_x.size(0), H = d_x.size(1), K = g.top_k;
@@ -502,11 +512,18 @@ void sum_rows_per_token(const Tensor& dx_rows, const ExpertGroups& g, Tensor& d_
       std::sort(rows.begin(), rows.end());
       acc_t* d = dst + t * H;
       for (int64_t r : rows) {
+        if (r >= g.computed_rows) break;
         const acc_t* s = src + r * H;
         for (int64_t j = 0; j < H; ++j) d[j] += s[j];
       }
     }
   });
+}
+
+// [T, 1]: each token's weights on identity experts (ids from num_experts on) summed, in the weights' dtype
+// (reference.identity_weight).
+Tensor identity_weight(const Tensor& topk_weights, const Tensor& topk_ids, int64_t num_experts) {
+  return topk_weights.masked_fill(topk_ids < num_experts, 0.0).sum(at::IntArrayRef{-1}, /*keepdim=*/true);
 }
 
 // ----------------------------------------------------------------------------- forward
@@ -522,7 +539,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
   const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0);
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
-  const ExpertGroups g = group_by_expert(topk_ids, E);
+  const ExpertGroups g = group_by_expert(topk_ids, E, o.identity_experts);
   Tensor ys = at::empty({g.order.numel(), H}, x.options());
   advise_huge_pages(ys);
   if (h_saved != nullptr) *h_saved = at::empty({g.order.numel(), up_out}, x.options());
@@ -550,13 +567,15 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
-      double renorm_min, int64_t group_top, const OptTensor &expert_ids, const OptTensor &expert_scale
+      double renorm_min, int64_t group_top, int64_t identity_experts, const OptTensor &expert_ids,              \
+      const OptTensor &expert_scale
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
+                     identity_experts};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
@@ -564,6 +583,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bo
   Tensor h;
   Tensor out = experts_forward(x, w, ids, gate_up_proj.contiguous(), gate_up_bias, down_proj.contiguous(),
                                down_bias, o, save_h ? &h : nullptr);
+  // Identity experts' pairs: + (x * the token's identity weight), each term rounded to x's dtype (LongCat-Flash).
+  if (o.identity_experts > 0) out.add_((x * identity_weight(w, ids, gate_up_proj.size(0))).to(x.scalar_type()));
   return {out, w, ids, h};
 }
 
@@ -572,7 +593,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
                                        gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
                                        router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
                                        topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, renorm_min, group_top, expert_ids, expert_scale,
+                                       limit, weight_on_input, renorm_min, group_top, identity_experts, expert_ids,
+                                       expert_scale,
                                        /*save_h=*/false);
   return {out, w, ids};
 }
@@ -581,7 +603,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS)
   return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
                       renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, expert_ids, expert_scale,
+                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, identity_experts, expert_ids,
+                      expert_scale,
                       /*save_h=*/true);
 }
 
@@ -599,10 +622,11 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    const OptTensor& gate_up_out, const OptTensor& expert_scale) {
+    int64_t identity_experts, const OptTensor& gate_up_out, const OptTensor& expert_scale) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
-                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top};
+                     gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
+                     identity_experts};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
@@ -622,7 +646,7 @@ BackwardResult fused_moe_backward(
   const Tensor gate_up = gate_up_proj.contiguous(), down = down_proj.contiguous();
   auto expert_weight = [&](const Tensor& stacked, int64_t e) { return stacked.select(0, e).to(acc); };
 
-  const ExpertGroups g = group_by_expert(topk_ids, E);
+  const ExpertGroups g = group_by_expert(topk_ids, E, o.identity_experts);
   const int64_t N = g.order.numel();
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
@@ -716,6 +740,10 @@ BackwardResult fused_moe_backward(
   AT_DISPATCH_FLOATING_TYPES(acc, "mok_cpu_sum_rows", [&] { sum_rows_per_token<scalar_t>(dx_rows, g, d_x); });
 
   Tensor d_wts = at::empty({N}, acc_opts).index_copy_(0, g.order, dw_rows).view({T, K});
+  if (o.identity_experts > 0) {  // an identity pair added w * x: d w = <go, x>, d x += w * go
+    d_wts = at::where(topk_ids >= E, (go * xa).sum(at::IntArrayRef{-1}, /*keepdim=*/true), d_wts);
+    d_x.add_(go * identity_weight(wts.view({T, K}), topk_ids, E));
+  }
   if (grad_topk_weights.has_value()) d_wts = d_wts + grad_topk_weights->to(acc);
   Tensor logits = router_logits(x, router, router_bias, o);
   Tensor d_scale;
@@ -749,7 +777,7 @@ BackwardResult fused_moe_backward(
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
-  "float renorm_min, int group_top"
+  "float renorm_min, int group_top, int identity_experts"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"

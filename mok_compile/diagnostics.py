@@ -159,6 +159,8 @@ def describe_block(b) -> str:
             extras.append("ids_given")
         if b.expert_scale:
             extras.append("expert_scale")
+        if r.identity_experts:
+            extras.append(f"identity_experts={r.identity_experts}")
         parts.append(routing + (f"({', '.join(extras)})" if extras else ""))
     if b.experts is not None:
         e = b.experts

@@ -37,6 +37,10 @@ ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
 # Families of transformers newer than the oldest supported (5.17), kept out of ALL_FAMILIES: DeepSeek-V4 (5.25),
 # whose learned-router layers (past its hash-routed ones) the op fuses.
 NEWER_FAMILIES = ("deepseek_v4",)
+# LongCat-Flash: its router ranks its experts and half as many zero-computation experts again (the op's
+# `identity_experts`: a token sent to one passes through, weighted). Its own pass, backend and layer-benchmark
+# entries; its tiny models' MLA attention has a shape of its own.
+IDENTITY_FAMILIES = ("longcat_flash",)
 # Families whose router and experts are separate modules of the decoder layer, with no MoE block class: whole models
 # only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
 LAYER_FAMILIES = ("gemma4",)
@@ -113,6 +117,14 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
                                   + ["full_attention"] * (num_layers % 2),
                                   sliding_window=32, pad_token_id=0, **common)
+    elif family == "longcat_flash":
+        # Half as many zero-computation experts as experts (LongCat-Flash: 512 and 256), its routed scale 6; each
+        # layer holds two attention sublayers, two dense MLPs (ffn_hidden_size) and one MoE block.
+        cfg = tf.LongcatFlashConfig(
+            hidden_size=H, ffn_hidden_size=2 * I, expert_ffn_hidden_size=I, n_routed_experts=E,
+            zero_expert_num=max(1, E // 2), moe_topk=K, routed_scaling_factor=6.0, num_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, head_dim=8, v_head_dim=16, vocab_size=128, max_position_embeddings=256)
     elif family == "llama4":
         # Text-only (Llama4ForCausalLM), every layer MoE (gated shared expert of size I, outside the op);
         # dense layers (none here) would use intermediate_size_mlp.
@@ -120,7 +132,8 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   head_dim=H // 4, interleave_moe_layer_step=1, moe_layers=list(range(num_layers)),
                                   no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from {ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; choose from "
+                         f"{ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -160,6 +173,7 @@ def _block_class(family: str):
         "ernie4_5_moe": "Ernie4_5_MoeSparseMoeBlock",
         "deepseek_v2": "DeepseekV2Moe",
         "deepseek_v4": "DeepseekV4SparseMoeBlock",
+        "longcat_flash": "LongcatFlashMoE",
     }
     return getattr(mod, names[family])
 
@@ -228,6 +242,12 @@ def routed_parts(family: str, block):
                            renorm_eps=1e-20, routed_scale=float(block.gate.routed_scaling_factor), weights_fp32=False)
         experts = ExpertSpec(activation="clamped_swiglu", limit=float(block.experts.limit))
         return block.gate, block.experts, spec, experts
+    if family == "longcat_flash":
+        # LongcatFlashTopkRouter: fp32 logits and softmax over the experts and the zero-computation experts, a
+        # selection bias, the chosen probabilities scaled; a pair sent to a zero-computation expert passes through.
+        spec = RoutingSpec(top_k=K, router_fp32=True, routed_scale=float(block.router.routed_scaling_factor),
+                           identity_experts=block.zero_expert_num)
+        return block.router, block.experts, spec, ExpertSpec()
     if family == "ernie4_5_moe":
         # Ernie4_5_MoeTopKRouter: fp32 softmax, a selection bias on the probabilities, w / clamp(sum, min), cast.
         spec = RoutingSpec(top_k=K, router_fp32=True, renormalize=True, renorm_min=float(block.gate.norm_min),
@@ -245,9 +265,10 @@ def _selection_bias(router):
 def op_arguments(family: str, block):
     """Positional tensors and keyword scalars of `mok.fused_moe` equal to `block`'s routed experts."""
     router, experts, routing, expert_spec = routed_parts(family, block)
+    linear = getattr(router, "classifier", router)  # LongCat-Flash's router holds its linear
     tensors = (
-        router.weight,
-        getattr(router, "bias", None),
+        linear.weight,
+        getattr(linear, "bias", None),
         _selection_bias(router),
         experts.gate_up_proj,
         getattr(experts, "gate_up_proj_bias", None),

@@ -30,7 +30,7 @@ from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
 from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, tensor_meta
-from .region import NoMatch, Region, is_id_mask_fill, same, strip
+from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
 
 
@@ -50,6 +50,7 @@ class ExpertsMatch:
     down_bias: fx.Node | Stack | None
     intermediate: int
     specs: list[ExpertSpec] = field(default_factory=list)  # candidates; validation keeps the first that matches
+    identity_experts: int = 0  # router outputs past the experts' count (LongCat-Flash's zero-computation experts)
 
 
 def _is_interleave_slice(node: fx.Node) -> bool:
@@ -147,9 +148,11 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
 
 
 def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],
-                             down_matmuls: list[fx.Node], selection_ops=frozenset()):
+                             down_matmuls: list[fx.Node], selection_ops=frozenset(), identity=False):
     """Routing weights must only be reshaped/indexed (or, in loops, selected with `selection_ops`), then
-    multiply the down projection's output."""
+    multiply the down projection's output. With `identity` experts (router outputs past the experts), the
+    weights of the identity pairs may be zeroed for the experts by an expert-id mask, and the token times its
+    masked weights' sum (`identity_term`) may be added to the experts' output."""
     wf = flow.forward_slice([weights], within=region.nodes) - {weights}
     if wf & expert_path:
         raise NoMatch("routing weights are applied before the down projection (e.g. to the expert input); "
@@ -157,14 +160,44 @@ def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, e
     after_down = flow.forward_slice(down_matmuls, within=region.nodes)
     joins = [n for n in wf if n in after_down and any(a in after_down for a in n.all_input_nodes)
              and any(a in wf or a is weights for a in n.all_input_nodes if a not in after_down)]
+    if identity:
+        joins = [j for j in joins if not (op_name(j) == "add" and any(
+            identity_term(flow, region, weights, a) for a in j.all_input_nodes if a not in after_down))]
     if not joins or any(op_name(j) not in ("mul",) for j in joins):
         raise NoMatch("routing weights are not multiplied with the expert output")
     for j in joins:
         w_side = flow.backward_slice([a for a in j.all_input_nodes if a not in after_down],
                                      stop=lambda n: n is weights or n not in region.nodes)
         for n in w_side & wf:
-            if op_name(n) not in LAYOUT_OPS_NAMES and op_name(n) not in selection_ops:
-                raise NoMatch(f"routing weights go through {op_name(n)!r} ({n.name}) before they are applied")
+            if op_name(n) in LAYOUT_OPS_NAMES or op_name(n) in selection_ops or (identity and is_id_mask_fill(n)):
+                continue
+            raise NoMatch(f"routing weights go through {op_name(n)!r} ({n.name}) before they are applied")
+
+
+# What may lie between the routing weights and an identity term's sum: masks over expert ids, layout ops.
+_IDENTITY_WEIGHT_OPS = frozenset({"masked_fill", "where", "invert", "sum", *ID_COMPARISONS}) | LAYOUT_OPS_NAMES
+
+
+def identity_term(flow: Dataflow, region: Region, weights: fx.Node, node: fx.Node) -> bool:
+    """Whether `node` is the identity experts' term (LongCat-Flash)::
+
+        x ──(layout)──────────────────────────────────────────┐
+        w ── masked_fill(~(ids >= E), 0) ── sum(-1, keepdim) ─┴─ mul ─(cast)─> node
+
+    the token times a sum of its routing weights masked by expert ids (which ids, and that the sum is over the
+    identity pairs, is for the probe to prove)."""
+    mul = strip(node, LAYOUT_OPS_NAMES)
+    if op_name(mul) != "mul" or len(mul.all_input_nodes) != 2:
+        return False
+    a, b = mul.all_input_nodes
+    for tokens, weighting in ((a, b), (b, a)):
+        if strip(tokens, LAYOUT_OPS_NAMES) is not region.root:
+            continue
+        behind = flow.backward_slice([weighting], stop=lambda n: n in (weights, region.ids) or n not in region.nodes)
+        inside = behind & region.nodes - {weights, region.ids}
+        if weights in behind and all(op_name(n) in _IDENTITY_WEIGHT_OPS for n in inside):
+            return any(op_name(n) == "sum" for n in inside)
+    return False
 
 
 def check_input_weight_application(flow: Dataflow, region: Region, scores: fx.Node, m1: fx.Node, m2: fx.Node):
@@ -253,14 +286,12 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
     (m1, gate_up), (m2, down) = sorted(((first_matmul(w), w) for w in weights3d), key=lambda p: flow.order[p[0]])
     if m1 is m2:
         raise NoMatch("both expert weights feed the same matmul")
+    identity = _identity_experts(gate_up, down, E, router)
+    E = E - identity
     for w in (gate_up, down):
         meta = tensor_meta(w)
         if meta.dtype != x_meta.dtype:
             raise NoMatch(f"expert weight {w.name} has dtype {meta.dtype}, hidden states {x_meta.dtype}")
-        if not same(meta.shape[0], E):
-            extra = ("; router outputs past the experts (LongCat-Flash's zero-computation experts, which pass the "
-                     "token through) are not computed by the op" if _more_router_outputs(meta.shape[0], E) else "")
-            raise NoMatch(f"expert weight {w.name} has {meta.shape[0]} experts, the router {E}{extra}")
     bias_role = {}
     for b in biases2d:
         used = flow.forward_slice([b], within=region.nodes)
@@ -294,15 +325,34 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
         check_input_weight_application(flow, region, router.weights, m1, m2)
         form = "dense_bmm"
     else:
-        check_weight_application(flow, region, router.weights, expert_path, [m2])
+        check_weight_application(flow, region, router.weights, expert_path, [m2], identity=identity > 0)
     specs = [ExpertSpec(activation=act, gated=gated, interleaved=interleaved, transposed=t, alpha=alpha, limit=limit)
              for t, _ in layouts]
     return ExpertsMatch(form=form, gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
-                        down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs)
+                        down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs,
+                        identity_experts=identity)
 
 
-def _more_router_outputs(experts, router) -> bool:
-    return isinstance(experts, int) and isinstance(router, int) and router > experts
+def _identity_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -> int:
+    """How many of the router's E outputs lie past the experts' count: 0 where the weights have E experts. More
+    router outputs than experts are taken as identity experts (LongCat-Flash's zero-computation experts pass the
+    token through, weighted), which the probe then proves or refutes; NoMatch where the counts disagree otherwise,
+    or the router has what the op does not combine with identity experts."""
+    counts = [tensor_meta(w).shape[0] for w in (gate_up, down)]
+    for w, n in zip((gate_up, down), counts):
+        if not same(n, E) and not (isinstance(n, int) and isinstance(E, int) and E > n):
+            raise NoMatch(f"expert weight {w.name} has {n} experts, the router {E}")
+    if same(counts[0], E) and same(counts[1], E):
+        return 0
+    if not same(counts[0], counts[1]):
+        raise NoMatch(f"expert weights {gate_up.name} and {down.name} have {counts[0]} and {counts[1]} experts")
+    what = (f"router outputs past the experts (expert weight {gate_up.name} has {counts[0]} experts, the router "
+            f"{E}), taken as identity experts (LongCat-Flash's zero-computation experts)")
+    if router.spec.weight_on_input:
+        raise NoMatch(f"{what}, with routing weights on the experts' input: the op has no such form")
+    if router.expert_scale is not None:
+        raise NoMatch(f"{what}, with a per-expert weight scale: the op has no such form")
+    return E - counts[0]
 
 
 def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> ExpertsMatch:

@@ -157,6 +157,9 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     report.routing, report.expert_scale = router.spec, router.expert_scale is not None
     experts = match_experts(flow, region, router)
     report.form, report.intermediate = experts.form, experts.intermediate
+    if experts.identity_experts:  # the router's outputs past the experts (LongCat-Flash): proven by the probe
+        router = replace(router, spec=replace(router.spec, identity_experts=experts.identity_experts))
+        report.num_experts = _int(region.E - experts.identity_experts)
     # Dense weight-on-input routing (Llama4): the graph's weights are [T, E] scores, not the op's [T, K] weights;
     # if something outside the block reads them, they stay in the graph (never replaced by the op's output).
     exportable = None if router.spec.weight_on_input else router.weights
@@ -189,6 +192,10 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
                 break
             failures.append(why)
         if chosen is None:
+            if routing.identity_experts:
+                raise NoMatch(f"the router's {routing.identity_experts} outputs past the experts were taken as "
+                              f"{routing.identity_experts} identity experts (LongCat-Flash's zero-computation "
+                              f"experts), the probe disproves it: {failures[0]}")
             raise NoMatch(failures[0])
     report.experts = chosen
     emit(gm, flow, region, plan, operands, {**_minimal_kwargs(routing, chosen), **given})

@@ -33,6 +33,10 @@ With ``weight_on_input`` (Llama4) the weight scales the expert's input instead,
 ``[T, E]`` (what Llama4's own module does), then picks the K routed outputs as
 usual, so unrouted experts (zero input, but possibly a bias) never enter the sum.
 
+With ``identity_experts`` (LongCat-Flash) the router ranks E + Z choices; the experts run on the ids clamped
+into the experts' range, an identity pair's output is then replaced by zero (a select, never a product), and the
+identity term ``(x * identity_weight).to(x.dtype)`` is added to the combined output, as the reference does.
+
 Used only on the export path (`decompose_fused_moe` rewrites a graph's calls);
 the fused op keeps its own kernels everywhere else.
 """
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.reference import activate, route, router_logits
+from ..ops.reference import activate, identity_weight, route, router_logits
 from ..ops.spec import with_defaults
 
 EXPERTS_FORMS = ("gather", "dense")
@@ -113,14 +117,20 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
                    weights_fp32=kw["weights_fp32"], renorm_min=kw["renorm_min"], group_top=kw["group_top"],
                    expert_ids=kw.get("expert_ids"), expert_scale=kw.get("expert_scale"))
     weight_on_input = kw["weight_on_input"]
-    y = _EXPERTS[experts_form](x, ids, gate_up_proj, gate_up_bias, down_proj, down_bias,
-                               transposed=kw["transposed"], input_weights=w if weight_on_input else None,
+    E = gate_up_proj.shape[0]
+    identity = kw["identity_experts"] > 0
+    y = _EXPERTS[experts_form](x, ids.clamp(max=E - 1) if identity else ids, gate_up_proj, gate_up_bias, down_proj,
+                               down_bias, transposed=kw["transposed"], input_weights=w if weight_on_input else None,
                                activation=kw["activation"], gated=kw["gated"], interleaved=kw["interleaved"],
                                alpha=kw["alpha"], limit=kw["limit"])
+    if identity:  # an identity pair runs no expert
+        y = torch.where((ids < E).unsqueeze(-1), y, 0.0)
     if weight_on_input:
         out = y.sum(dim=1).to(x.dtype)
     else:
         out = (y * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    if identity:
+        out = out + (x * identity_weight(w, ids, E)).to(x.dtype)
     return out, w, ids
 
 

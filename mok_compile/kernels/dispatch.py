@@ -14,6 +14,12 @@ Each expert's rows are contiguous and unpadded; a grouped GEMM cuts them into ro
 per call and block height from `expert_count` (one small launch).
 `combine` sums the K rows of each token in slot order (fixed, no atomics).
 
+Identity experts (LongCat-Flash's zero-computation experts, router choices E .. E+Z-1) are sorted as buckets of
+their own after the experts': their pairs take the last sorted positions, from expert_end[E-1] on. The arrays
+over all E + Z buckets are `bucket_count`, `bucket_start`, `bucket_end`, which the sort writes; `expert_count`,
+`expert_start`, `expert_end` are their first E entries, all that the grouped GEMMs read, so no GEMM runs an
+identity pair's row.
+
 The five arrays are views of one int32 buffer, `Dispatch.layout` (`layout_size` entries): the training
 forward returns it and its backward rebuilds the Dispatch from it (`Dispatch.from_layout`) instead of
 counting, scanning and scattering again (3 launches; 8 bytes per (token, slot) pair kept).
@@ -145,29 +151,33 @@ def layout_size(num_experts: int, num_pairs: int) -> int:
 
 
 class Dispatch:
-    """The sorted layout of one routing decision: what every grouped kernel needs."""
+    """The sorted layout of one routing decision: what every grouped kernel needs. `num_experts`: the experts that
+    compute; `num_buckets` (default: as many): the router's choices, identity experts included."""
 
-    def __init__(self, topk_ids, chunk_counts, num_experts, block_t, repeats=False):
+    def __init__(self, topk_ids, chunk_counts, num_experts, block_t, repeats=False, num_buckets=None):
         T, K = topk_ids.shape
-        layout = torch.empty(layout_size(num_experts, T * K), dtype=torch.int32, device=topk_ids.device)
-        self._view(layout, num_experts, K, T * K)
+        buckets = num_buckets or num_experts
+        layout = torch.empty(layout_size(buckets, T * K), dtype=torch.int32, device=topk_ids.device)
+        self._view(layout, num_experts, K, T * K, buckets)
         self.sort(topk_ids, chunk_counts, block_t, repeats)
 
     @classmethod
-    def from_ids(cls, topk_ids, num_experts) -> "Dispatch":
+    def from_ids(cls, topk_ids, num_experts, num_buckets=None) -> "Dispatch":
         """The layout of `topk_ids` [T, K], counted and sorted here at `routing_block`'s tile, where no routing
         kernel wrote the counts (the backward's recompute; the tuner and tests on given ids). A row may name an
         expert twice (the op's given `expert_ids`)."""
-        block_t, block_e = routing_block(num_experts, topk_ids.shape[0])
-        return cls(topk_ids, count_chunks(topk_ids, num_experts, block_t, block_e), num_experts, block_t,
-                   repeats=True)
+        buckets = num_buckets or num_experts
+        block_t, block_e = routing_block(buckets, topk_ids.shape[0])
+        return cls(topk_ids, count_chunks(topk_ids, buckets, block_t, block_e), num_experts, block_t,
+                   repeats=True, num_buckets=buckets)
 
     @classmethod
-    def unsorted(cls, num_experts, top_k, num_pairs, device) -> "Dispatch":
+    def unsorted(cls, num_experts, top_k, num_pairs, device, num_buckets=None) -> "Dispatch":
         """A Dispatch whose arrays are allocated but not yet written: `routing.route(dispatch=...)` sorts into it."""
+        buckets = num_buckets or num_experts
         disp = cls.__new__(cls)
-        disp._view(torch.empty(layout_size(num_experts, num_pairs), dtype=torch.int32, device=device), num_experts,
-                   top_k, num_pairs)
+        disp._view(torch.empty(layout_size(buckets, num_pairs), dtype=torch.int32, device=device), num_experts,
+                   top_k, num_pairs, buckets)
         return disp
 
     def sort(self, topk_ids, chunk_counts, block_t, repeats=False):
@@ -176,28 +186,29 @@ class Dispatch:
         self._tables.clear()  # block tables of earlier counts
         T, K = topk_ids.shape
         n_chunks, block_e = chunk_counts.shape
-        num_experts = self.num_experts
+        buckets = self.num_buckets
         chunk_off = torch.empty_like(chunk_counts)
-        launcher(_scan_kernel)[(1,)](chunk_counts, chunk_off, self.expert_count, self.expert_start, self.expert_end,
-                                     n_chunks, num_experts, BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
+        launcher(_scan_kernel)[(1,)](chunk_counts, chunk_off, self.bucket_count, self.bucket_start, self.bucket_end,
+                                     n_chunks, buckets, BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e)
         if T > 0:
-            launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.expert_start, self.sorted_pair,
-                                                   self.pair_pos, T, num_experts, K=K, BLOCK_T=block_t,
+            launcher(_scatter_kernel)[(n_chunks,)](topk_ids, chunk_off, self.bucket_start, self.sorted_pair,
+                                                   self.pair_pos, T, buckets, K=K, BLOCK_T=block_t,
                                                    BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
                                                    **({"REPEATS": True, "K_PAD": next_power_of_2(K)} if repeats
                                                       else {}))
 
     @classmethod
-    def from_layout(cls, layout, num_experts, top_k, num_pairs) -> "Dispatch":
+    def from_layout(cls, layout, num_experts, top_k, num_pairs, num_buckets=None) -> "Dispatch":
         """The Dispatch whose `layout` this is (the training forward's, kept for its backward)."""
+        buckets = num_buckets or num_experts
         if (layout.dtype != torch.int32 or layout.dim() != 1 or not layout.is_contiguous()
-                or layout.numel() != layout_size(num_experts, num_pairs)):
+                or layout.numel() != layout_size(buckets, num_pairs)):
             raise ValueError(f"mok.fused_moe_backward: routing_layout must be a contiguous int32 vector of "
-                             f"{layout_size(num_experts, num_pairs)} entries (the training forward's for "
-                             f"{num_pairs} pairs and {num_experts} experts), got {layout.dtype} of shape "
+                             f"{layout_size(buckets, num_pairs)} entries (the training forward's for "
+                             f"{num_pairs} pairs and {buckets} experts), got {layout.dtype} of shape "
                              f"{tuple(layout.shape)}")
         disp = cls.__new__(cls)
-        disp._view(layout, num_experts, top_k, num_pairs)
+        disp._view(layout, num_experts, top_k, num_pairs, buckets)
         return disp
 
     def block_table(self, block_m: int) -> torch.Tensor:
@@ -218,25 +229,32 @@ class Dispatch:
                     BLOCK_E=block_e, num_warps=4)
         return table
 
-    def _view(self, layout, num_experts, top_k, num_pairs):
+    def _view(self, layout, num_experts, top_k, num_pairs, num_buckets):
         self._tables = {}
         self.layout = layout
-        self.num_experts, self.top_k, self.num_pairs = num_experts, top_k, num_pairs
-        e, p = _aligned_len(num_experts), _aligned_len(num_pairs)
-        self.expert_count = layout[:num_experts]
-        self.expert_start = layout[e:e + num_experts]
-        self.expert_end = layout[2 * e:2 * e + num_experts]  # group offsets of grouped_mm
-        self.sorted_pair = layout[3 * e:3 * e + num_pairs]
-        self.pair_pos = layout[3 * e + p:3 * e + p + num_pairs]
+        self.num_experts, self.num_buckets, self.top_k, self.num_pairs = num_experts, num_buckets, top_k, num_pairs
+        b, p = _aligned_len(num_buckets), _aligned_len(num_pairs)
+        self.bucket_count = layout[:num_buckets]
+        self.bucket_start = layout[b:b + num_buckets]
+        self.bucket_end = layout[2 * b:2 * b + num_buckets]
+        self.expert_count = self.bucket_count[:num_experts]
+        self.expert_start = self.bucket_start[:num_experts]
+        self.expert_end = self.bucket_end[:num_experts]  # group offsets of grouped_mm
+        self.sorted_pair = layout[3 * b:3 * b + num_pairs]
+        self.pair_pos = layout[3 * b + p:3 * b + p + num_pairs]
 
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, stride_extra, stride_out,
                     K: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCT: tl.constexpr, HAS_EXTRA: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_be=None,
-                    HAS_BIAS: tl.constexpr = False):
+                    HAS_BIAS: tl.constexpr = False, ident_ptr=None, iw_ptr=None, stride_ident=0, num_experts=0,
+                    IDENTITY: tl.constexpr = False, ROUND_IDENTITY: tl.constexpr = False):
     """HAS_BIAS: y rows are expert outputs without their bias; add bias[ids[t, k]] (rounded, as the
-    GEMM epilogue would) before weighting."""
+    GEMM epilogue would) before weighting.
+    IDENTITY: pairs whose id is num_experts or more (identity experts) have no y row; their weights (`iw_ptr`) are
+    summed into s[t] and s[t] * ident[t] is added (the forward: ident = x, each of the experts' sum and the
+    identity term rounded to the output dtype first, ROUND_IDENTITY; the backward: ident = grad_out, in fp32)."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -245,31 +263,57 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
     m = rmask[:, None] & (hcols < H)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     DT = out_ptr.dtype.element_ty
+    if IDENTITY:
+        s = tl.zeros((BLOCK_T,), tl.float32)
     for k in tl.static_range(K):
         p = tl.load(pos_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
-        v = tl.load(y_ptr + p[:, None] * stride_y + hcols[None, :], mask=m, other=0.0).to(tl.float32)
+        if IDENTITY:
+            e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0)
+            passed = e >= num_experts
+            s += tl.where(passed, tl.load(iw_ptr + rows * K + k, mask=rmask & passed, other=0.0).to(tl.float32), 0.0)
+            vm = m & (~passed)[:, None]
+        else:
+            vm = m
+        v = tl.load(y_ptr + p[:, None] * stride_y + hcols[None, :], mask=vm, other=0.0).to(tl.float32)
         if HAS_BIAS:
             e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
-            b = tl.load(bias_ptr + e[:, None] * stride_be + hcols[None, :], mask=m, other=0.0).to(tl.float32)
+            b = tl.load(bias_ptr + e[:, None] * stride_be + hcols[None, :], mask=vm, other=0.0).to(tl.float32)
             v = (v + b).to(DT).to(tl.float32)
         if HAS_W:
             wk = tl.load(w_ptr + rows * K + k, mask=rmask, other=0.0).to(tl.float32)
             v = v * wk[:, None]
             if ROUND_PRODUCT:  # HF multiplies in the input dtype when the weights were cast to it
                 v = v.to(DT).to(tl.float32)
+        if IDENTITY:
+            v = tl.where(vm, v, 0.0)  # an identity pair adds nothing here (not even 0 * a weight of inf)
         acc += v
     if HAS_EXTRA:
         acc += tl.load(extra_ptr + rows[:, None].to(tl.int64) * stride_extra + hcols[None, :], mask=m,
                        other=0.0).to(tl.float32)
+    if IDENTITY:
+        if ROUND_IDENTITY:  # s in the weights' dtype, as their sum is; x * s in fp32 (or in it), then rounded
+            s = s.to(iw_ptr.dtype.element_ty).to(tl.float32)
+        src = tl.load(ident_ptr + rows[:, None].to(tl.int64) * stride_ident + hcols[None, :], mask=m,
+                      other=0.0).to(tl.float32)
+        term = src * s[:, None]
+        if ROUND_IDENTITY:
+            acc = acc.to(DT).to(tl.float32) + term.to(DT).to(tl.float32)
+        else:
+            acc += term
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + hcols[None, :], acc.to(DT), mask=m)
 
 
-def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=None, bias=None, topk_ids=None):
+def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=None, bias=None, topk_ids=None,
+            identity=None):
     """out[t] = sum_k w[t, k] * (y[pair_pos[t, k]] (+ bias[topk_ids[t, k]])) (+ extra[t]), summed in slot
     order in fp32.
 
     `round_product`: round each w * y to out_dtype before the sum (None: where HF's forward does,
-    i.e. weights already in the low-precision output dtype)."""
+    i.e. weights already in the low-precision output dtype).
+    `identity` = (source [T, H], weights [T, K], num_experts, rounded): the pairs of `topk_ids` past num_experts
+    (identity experts) have no y row; s[t] * source[t] is added, s[t] the sum of their weights, where `rounded`
+    (the forward) as LongCat-Flash rounds it: s in the weights' dtype, then the experts' sum and the identity term
+    each rounded to out_dtype before they are added."""
     if round_product is None:
         round_product = topk_weights is not None and topk_weights.dtype == out_dtype and out_dtype != torch.float32
     H = y.shape[1]
@@ -285,5 +329,8 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
         ROUND_PRODUCT=bool(round_product) and topk_weights is not None,
         HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
         **({} if bias is None else dict(bias_ptr=bias, ids_ptr=topk_ids, stride_be=bias.stride(0), HAS_BIAS=True)),
+        **({} if identity is None else dict(
+            ids_ptr=topk_ids, ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0),
+            num_experts=identity[2], IDENTITY=True, ROUND_IDENTITY=identity[3])),
     )
     return out

@@ -318,10 +318,11 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
+    R = E + kw["identity_experts"]  # the router's choices
     K = kw["top_k"]
     weights_dtype = torch.float32 if kw["weights_fp32"] else x.dtype
     logits = _logits(x, router, router_bias, kw)
-    disp = Dispatch.unsorted(E, K, T * K, x.device) if T > 0 else None
+    disp = Dispatch.unsorted(E, K, T * K, x.device, num_buckets=R) if T > 0 else None
     w, ids, _, _ = route(
         logits, selection_bias, top_k=K, routing=kw["routing"],
         softmax_fp32=kw["softmax_fp32"], renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"],
@@ -334,8 +335,8 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         out = (x.new_empty((0, H)), w, ids)
         if not save_gate_up:
             return out
-        layout = torch.zeros(layout_size(E, 0), dtype=torch.int32, device=x.device)
-        return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, E, kw), layout)
+        layout = torch.zeros(layout_size(R, 0), dtype=torch.int32, device=x.device)
+        return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, R, kw), layout)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     col_mul, up_off = _gate_up_columns(I, kw)
@@ -350,7 +351,8 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         gate_up_sm90.gate_up(x, disp, gate_up_proj, act, h)
     elif gate_up_eng == "cutlass":
         h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
-        act = activation_pass.activation_rows(h, disp, ids, gate_up_bias, I, gated=kw["gated"],
+        act = activation_pass.activation_rows(h, disp, _bias_ids(ids, E, gate_up_bias, kw), gate_up_bias, I,
+                                              gated=kw["gated"],
                                               interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,
                                               up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
     else:
@@ -363,16 +365,29 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
               a_scale=w if woi else None, h_out=h)
     if eng["down"] == "cutlass":  # the down bias is added in the combine
         y = cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp)
-        out = combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids)
+        out = combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids,
+                      identity=_identity(x, w, E, kw, rounded=True))
     else:
         y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
         _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I,
               gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=kw,
               cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
-        out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype)
+        out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype, topk_ids=ids,
+                      identity=_identity(x, w, E, kw, rounded=True))
     if not save_gate_up:
         return out, w, ids
-    return out, w, ids, h, _kept_logits(logits, router, E, kw), disp.layout
+    return out, w, ids, h, _kept_logits(logits, router, R, kw), disp.layout
+
+
+def _identity(source, weights, E, kw, *, rounded):
+    """`combine`'s identity argument where the router has identity experts, else None."""
+    return (source, weights, E, rounded) if kw["identity_experts"] else None
+
+
+def _bias_ids(ids, E, bias, kw):
+    """The ids a pass over every sorted row reads an expert bias at: an identity pair's row (garbage, never read
+    afterwards) reads expert E - 1's rather than past the bias."""
+    return ids.clamp(max=E - 1) if kw["identity_experts"] and bias is not None else ids
 
 
 _BACKWARD_PLANS = plan.PlanCache()
@@ -431,6 +446,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
+    R = E + kw["identity_experts"]  # the router's choices
     K = topk_ids.shape[1]
     transposed, gated, woi = kw["transposed"], kw["gated"], kw.get("weight_on_input", False)
     zeros_like = torch.zeros_like
@@ -442,11 +458,11 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                 zeros_like(down_proj), None if down_bias is None else zeros_like(down_bias))
 
     topk_ids = topk_ids.contiguous()
-    saved_logits = _saved_logits(router_logits, T, E, kw)  # checked here, before any launch
+    saved_logits = _saved_logits(router_logits, T, R, kw)  # checked here, before any launch
     if routing_layout is not None:
-        disp = Dispatch.from_layout(routing_layout, E, K, T * K)
+        disp = Dispatch.from_layout(routing_layout, E, K, T * K, num_buckets=R)
     else:
-        disp = Dispatch.from_ids(topk_ids, E)
+        disp = Dispatch.from_ids(topk_ids, E, num_buckets=R)
     rows_per_expert = T * K / E
     precision = _precision(x.dtype)
     go = grad_out.to(x.dtype).contiguous()
@@ -477,7 +493,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         if h is None:
             h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
         dh, act_w, dw_parts = activation_pass.activation_bwd_rows(
-            h, g2, w_flat, disp, topk_ids, gate_up_bias, I, gated=gated, interleaved=kw["interleaved"],
+            h, g2, w_flat, disp, _bias_ids(topk_ids, E, gate_up_bias, kw), gate_up_bias, I, gated=gated,
+            interleaved=kw["interleaved"],
             act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"],
             h_is_saved=gate_up_out is not None and not overwrite_h)
         del h, g2
@@ -520,8 +537,14 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     if grad_topk_weights is not None:
         dw_extra = grad_topk_weights.float()
     if down_bias is not None and not woi:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
-        bias_term = (go.float() @ down_bias.float().t()).gather(1, topk_ids)
+        bias_term = (go.float() @ down_bias.float().t()).gather(1, _bias_ids(topk_ids, E, down_bias, kw))
+        if kw["identity_experts"]:
+            bias_term = bias_term.masked_fill(topk_ids >= E, 0.0)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
+    if kw["identity_experts"]:  # an identity pair added w * x[t]: its d(w) is <go[t], x[t]>
+        dot = (grad_out.float() * x.float()).sum(dim=-1, keepdim=True)
+        identity_term = torch.where(topk_ids >= E, dot, 0.0)
+        dw_extra = identity_term if dw_extra is None else dw_extra + identity_term
     logits = saved_logits if saved_logits is not None else _logits(x, router, router_bias, kw)
     # d(logits) feeds the router's gradients in the router's own dtype (bf16 for most models, as HF's autograd
     # does it), so route_bwd stores it in that dtype, unless an fp32 sum (the router bias's gradient) or an fp32
@@ -532,7 +555,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"],
                         out_dtype=dl_dtype, renorm_min=kw["renorm_min"],
-                        expert_scale=None if expert_scale is None else expert_scale.contiguous())
+                        expert_scale=None if expert_scale is None else expert_scale.contiguous(), num_experts=E)
     d_scale = None
     if expert_scale is not None:  # each expert's pairs summed in sorted order: deterministic
         dl, dscale_sorted = dl
@@ -553,7 +576,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
             dx_router = dl_r @ router
     # Weight on input: dx[t] = sum_k w[t,k] * dxs[pos(t,k)] in fp32 (the product not rounded).
     d_x = combine(dxp, disp.pair_pos, topk_weights.contiguous() if woi else None, dx_router, T, K, x.dtype,
-                  round_product=False if woi else None)
+                  round_product=False if woi else None, topk_ids=topk_ids,
+                  identity=_identity(go, topk_weights.contiguous(), E, kw, rounded=False))
     if defer_weight_gradients:
         return (d_x, d_router, d_router_bias, d_scale), deferred
     return d_x, d_router, d_router_bias, d_scale, d_gu, d_gu_bias, d_down, d_down_bias
@@ -570,7 +594,7 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
     work[4] = work[6] = work[7] = None
     E, I = _sizes(gate_up_proj, down_proj, kw)
     if disp is None:
-        disp = Dispatch.from_layout(layout, E, top_k, w_flat.shape[0])
+        disp = Dispatch.from_layout(layout, E, top_k, w_flat.shape[0], num_buckets=E + kw["identity_experts"])
     H = x.shape[1]
     transposed, woi = kw["transposed"], kw.get("weight_on_input", False)
     up_out = 2 if kw["gated"] else 1

@@ -272,7 +272,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
     weights' per-expert factor.
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
-    one program holds every token (chunk_counts is then None: its one row is `dispatch.expert_count`), else
+    one program holds every token (chunk_counts is then None: its one row is `dispatch.bucket_count`), else
     with `Dispatch.sort`'s two launches after it."""
     T, E = logits.shape
     block_t, block_e = routing_block(E, T)
@@ -286,7 +286,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_fwd_kernel)[(n_chunks,)](
             logits, selection_bias if selection_bias is not None else logits, w, ids,
-            counts if counts is not None else dispatch.expert_count,  # fused: not written
+            counts if counts is not None else dispatch.bucket_count,  # fused: not written
             T, E, logits.stride(0), E // n_group if grouped else E, float(renorm_eps), float(routed_scale),
             K=top_k, K_PAD=next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
             SOFTMAX_LOW=(not softmax_fp32) and logits.dtype != torch.float32,
@@ -297,8 +297,8 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
             renorm_min=float(renorm_min),
             BLOCK_T=block_t, BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
             **({} if not fused else dict(
-                expert_count_ptr=dispatch.expert_count, expert_start_ptr=dispatch.expert_start,
-                expert_end_ptr=dispatch.expert_end, sorted_pair_ptr=dispatch.sorted_pair,
+                expert_count_ptr=dispatch.bucket_count, expert_start_ptr=dispatch.bucket_start,
+                expert_end_ptr=dispatch.bucket_end, sorted_pair_ptr=dispatch.sorted_pair,
                 pair_pos_ptr=dispatch.pair_pos, DISPATCH=True)),
             **({} if expert_ids is None else dict(given_ids_ptr=expert_ids, GIVEN_IDS=True)),
             **({} if expert_scale is None else dict(expert_scale_ptr=expert_scale, EXPERT_SCALE=True)),
@@ -314,14 +314,17 @@ def _route_bwd_kernel(
     T, E, stride_lt, n_parts, TK, renorm_eps, routed_scale,
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
-    expert_scale_ptr=None, dscale_sorted_ptr=None, EXPERT_SCALE: tl.constexpr = False,
+    expert_scale_ptr=None, dscale_sorted_ptr=None, EXPERT_SCALE: tl.constexpr = False, num_experts=0,
+    IDENTITY: tl.constexpr = False,
 ):
     """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
 
     d(topk_weights) arrives as partial sums over tiles of I ([n_parts, T*K] at each pair's sorted
     position), summed here in a fixed order, plus `dw_extra` (given grads, down-bias term).
     EXPERT_SCALE: the weights were w * s[ids]; each pair's d(weight) * w goes to `dscale_sorted` at its sorted
-    position (the caller sums them per expert), and w's gradient is d(weight) * s[ids]."""
+    position (the caller sums them per expert), and w's gradient is d(weight) * s[ids].
+    IDENTITY: pairs whose id is num_experts or more (identity experts) ran no expert: their sorted positions hold
+    no partial sums (only `dw_extra`)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -340,10 +343,11 @@ def _route_bwd_kernel(
     pos = tl.load(pair_pos_ptr + pk, mask=omask, other=0)
     d = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     part_ptrs = dw_part_ptr + pos
+    pmask = omask & (ids < num_experts) if IDENTITY else omask
     # Fixed order over the I-tiles. Unrolled, so that several loads are in flight at once (the adds stay in
     # order: the same bits); one at a time, Mixtral's 112 parts took 51 us at T=256 (NOTES v37).
     for _ in tl.range(0, n_parts, loop_unroll_factor=8):
-        d += tl.load(part_ptrs, mask=omask, other=0.0)
+        d += tl.load(part_ptrs, mask=pmask, other=0.0)
         part_ptrs += TK
     if HAS_EXTRA:
         d += tl.load(dw_extra_ptr + pk, mask=omask, other=0.0)
@@ -402,11 +406,12 @@ def _route_bwd_kernel(
 
 
 def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
-                   routed_scale, out_dtype=torch.float32, renorm_min=0.0, expert_scale=None):
+                   routed_scale, out_dtype=torch.float32, renorm_min=0.0, expert_scale=None, num_experts=None):
     """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
     position. With `expert_scale`: (d(logits), [T*K] fp32 each pair's part of d(expert_scale) at its sorted
-    position), which the caller sums per expert (`moe._backward`)."""
+    position), which the caller sums per expert (`moe._backward`). `num_experts` (fewer than E, the logits'
+    width: identity experts): the pairs of ids from it on have no partial sums."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = route_backward_block(E, T)
@@ -415,6 +420,8 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
     if expert_scale is not None:
         dscale_sorted = torch.empty((T * K,), dtype=torch.float32, device=logits.device)
         scaled = dict(expert_scale_ptr=expert_scale, dscale_sorted_ptr=dscale_sorted, EXPERT_SCALE=True)
+    if num_experts is not None and num_experts < E:
+        scaled.update(num_experts=num_experts, IDENTITY=True)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_bwd_kernel)[(cdiv(T, block_t),)](

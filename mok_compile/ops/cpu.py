@@ -130,7 +130,8 @@ def _fused_moe_train_cpu(*args, **kw):
                            "mok_compile.ops.cpu.saves_gate_up holds (C++ kernel, not weight-on-input)")
     out = torch.ops.mok_cpu.fused_moe_train(*args, **kw)
     # The C++ backward recomputes the logits and its own expert order: nothing more to keep (empty outputs).
-    return (*out, *library.saved_routing_like(args[0], args[1], args[4].shape[0], kw, kept=False))
+    width = library.routing_width(args[4], kw)
+    return (*out, *library.saved_routing_like(args[0], args[1], width, kw, kept=False))
 
 
 def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,

@@ -35,7 +35,7 @@ _SCALARS = (
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
-    "float renorm_min=0.0, int group_top=2"
+    "float renorm_min=0.0, int group_top=2, int identity_experts=0"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -128,6 +128,10 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if w.dtype != x.dtype:
             _fail(f"{name} dtype {w.dtype} differs from hidden_states dtype {x.dtype}")
     E = gate_up_proj.shape[0]
+    Z = kw["identity_experts"]
+    if Z < 0:
+        _fail(f"identity_experts must be >= 0, got {Z}")
+    R = E + Z  # the router's choices: the experts, then the identity experts
     if down_proj.shape[0] != E:
         _fail(f"down_proj has {down_proj.shape[0]} experts but gate_up_proj has {E}")
     up_out = 2 if gated else 1
@@ -153,19 +157,19 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
     if down_bias is not None and tuple(down_bias.shape) != (E, H):
         _fail(f"down_bias must have shape [{E}, {H}], got {tuple(down_bias.shape)}")
     if router_is_logits:
-        if router.dim() != 2 or router.shape[1] != E:
-            _fail(f"router (logits) must be [T, {E}], got shape {tuple(router.shape)}")
+        if router.dim() != 2 or router.shape[1] != R:
+            _fail(f"router (logits) must be [T, {R}]{_choices(E, Z)}, got shape {tuple(router.shape)}")
         _check(router.shape[0] == T, f"router logits have {router.shape[0]} rows but hidden_states has {T}")
         if router_bias is not None:
             _fail("router_bias must be None when router_is_logits=True")
     else:
-        if router.dim() != 2 or tuple(router.shape) != (E, H):
-            _fail(f"router weight must be [{E}, {H}] (E, H), got shape {tuple(router.shape)}")
+        if router.dim() != 2 or tuple(router.shape) != (R, H):
+            _fail(f"router weight must be [{R}, {H}]{_choices(E, Z)}, got shape {tuple(router.shape)}")
         if not router_fp32 and router.dtype != x.dtype:
             _fail(f"router dtype {router.dtype} differs from hidden_states dtype {x.dtype}; "
                   "pass router_fp32=True for an fp32 router")
-        if router_bias is not None and tuple(router_bias.shape) != (E,):
-            _fail(f"router_bias must have shape [{E}], got {tuple(router_bias.shape)}")
+        if router_bias is not None and tuple(router_bias.shape) != (R,):
+            _fail(f"router_bias must have shape [{R}], got {tuple(router_bias.shape)}")
     if router.dtype not in _FLOAT_DTYPES:
         _fail(f"router has unsupported dtype {router.dtype}")
     if router_bias is not None and router_bias.dtype != router.dtype:
@@ -174,8 +178,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if b is not None and b.dtype != x.dtype:
             _fail(f"{name} dtype {b.dtype} differs from {w} dtype {x.dtype}")
     if selection_bias is not None:
-        if tuple(selection_bias.shape) != (E,):
-            _fail(f"selection_bias must have shape [{E}], got {tuple(selection_bias.shape)}")
+        if tuple(selection_bias.shape) != (R,):
+            _fail(f"selection_bias must have shape [{R}], got {tuple(selection_bias.shape)}")
         if selection_bias.dtype not in _FLOAT_DTYPES:
             _fail(f"selection_bias has unsupported dtype {selection_bias.dtype}")
     if not 0.0 <= kw["renorm_min"] < float("inf"):
@@ -189,25 +193,39 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
                     ("down_bias", down_bias)):
         if t is not None and t.device != x.device:
             _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
-    if not 1 <= top_k <= E:
-        _fail(f"top_k={top_k} must be between 1 and the number of experts E={E}")
+    if not 1 <= top_k <= R:
+        _fail(f"top_k={top_k} must be between 1 and the number of experts E={R}")
     if kw.get("expert_ids") is not None:
         _check_expert_ids(kw["expert_ids"], x, top_k, selection_bias, n_group)
     if kw.get("expert_scale") is not None:
         _check_expert_scale(kw["expert_scale"], x, E, kw["weight_on_input"])
+        if Z:
+            _fail("expert_scale is not supported with identity_experts")
+    if Z and kw["weight_on_input"]:
+        _fail("identity_experts is not supported with weight_on_input=True")
     if routing not in ROUTINGS:
         _fail(f"routing={routing!r} is not supported; use one of {ROUTINGS}")
     if n_group > 1:
-        if E % n_group != 0 or E // n_group < kw["group_top"]:
-            _fail(f"n_group={n_group} must divide E={E} into groups of at least {kw['group_top']} experts "
+        if R % n_group != 0 or R // n_group < kw["group_top"]:
+            _fail(f"n_group={n_group} must divide E={R} into groups of at least {kw['group_top']} experts "
                   f"(group_top={kw['group_top']})")
-        if not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+        if not 1 <= topk_group <= n_group or top_k > topk_group * (R // n_group):
             _fail(f"topk_group={topk_group} (n_group={n_group}) leaves fewer than top_k={top_k} experts")
     try:
         ExpertSpec(activation=activation, gated=gated, interleaved=kw["interleaved"])
     except ValueError as err:
         _fail(str(err))
     return T, H, E, I
+
+
+def _choices(E, Z) -> str:
+    """How a router width is made up, where identity experts add to it (error messages)."""
+    return f" ({E} experts + {Z} identity experts)" if Z else ""
+
+
+def routing_width(gate_up_proj, kw) -> int:
+    """The router's choices: the experts, then `identity_experts` more (the width of the logits)."""
+    return gate_up_proj.shape[0] + kw["identity_experts"]
 
 
 def _check_expert_ids(ids, x, top_k, selection_bias, n_group):
@@ -267,7 +285,7 @@ def _fused_moe_train_fake(hidden_states, router, router_bias, selection_bias, ga
     kw = with_defaults(kw)
     gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
     h = hidden_states.new_empty((ids.numel(), gate_up_cols))
-    return (out, weights, ids, h, *saved_routing_like(hidden_states, router, gate_up_proj.shape[0], kw,
+    return (out, weights, ids, h, *saved_routing_like(hidden_states, router, routing_width(gate_up_proj, kw), kw,
                                                       kept=keeps_routing(hidden_states)))
 
 

@@ -199,7 +199,8 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
 
 def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *,
                       activation, gated, interleaved, transposed, alpha, limit, weight_on_input=False):
-    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs.
+    """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs; a pair whose id is past the experts
+    (an identity expert's) adds nothing here.
 
     weight_on_input: sum_k expert_{ids[t,k]}((x[t] * w[t,k]).to(x.dtype)) instead (Llama4); the product is
     taken in the promoted dtype of x and w, as PyTorch's `x * w` would.
@@ -211,9 +212,9 @@ def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, dow
     xs = x[order // K]
     if weight_on_input:
         xs = (xs * topk_weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-    ys = x.new_empty(T * K, H)
+    ys = x.new_zeros(T * K, H)  # the identity pairs' rows stay 0
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts[:E].tolist()):
         if n == 0:
             continue
         rows = slice(start, start + n)
@@ -229,12 +230,19 @@ def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, dow
     return out.to(x.dtype)
 
 
+def identity_weight(topk_weights, topk_ids, num_experts):
+    """[T, 1]: the sum of each token's weights on identity experts (ids past the `num_experts` experts), in the
+    weights' dtype, as LongCat-Flash writes it (`w.masked_fill(~mask, 0).sum(-1, keepdim=True)`)."""
+    return topk_weights.masked_fill(topk_ids < num_experts, 0.0).sum(dim=-1, keepdim=True)
+
+
 def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias,
                         down_proj, down_bias, *, top_k, routing="softmax_topk", router_is_logits=False,
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False, renorm_min=0.0, group_top=2, expert_ids=None, expert_scale=None):
+                        weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, expert_ids=None,
+                        expert_scale=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
@@ -245,6 +253,8 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input)
+    if identity_experts:  # each rounded to x's dtype, then added (LongCat-Flash)
+        out = out + (x * identity_weight(w, ids, gate_up_proj.shape[0])).to(x.dtype)
     return out, w, ids
 
 
@@ -368,13 +378,14 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 renorm_min=0.0, group_top=2, gate_up_out=None, router_logits=None,
-                                 routing_layout=None, expert_scale=None):
+                                 renorm_min=0.0, group_top=2, identity_experts=0, gate_up_out=None,
+                                 router_logits=None, routing_layout=None, expert_scale=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 
     weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.
+    identity_experts: an identity pair adds w * x to the output: d w = <go, x> and d x += w * go.
 
     Returns (grad_hidden_states, grad_router, grad_router_bias, grad_gate_up_proj, grad_gate_up_bias,
     grad_down_proj, grad_down_bias, grad_expert_scale); gradients are None where their input is None.
@@ -400,7 +411,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     order, counts = group_by_expert(topk_ids, E)
     tok = order // K
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts[:E].tolist()):
         if n == 0:
             continue
         pairs = order[start:start + n]
@@ -444,6 +455,10 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         d_x.index_add_(0, t, dxe)
 
     d_wts = d_wts.view(T, K)
+    if identity_experts:
+        passed = topk_ids >= E
+        d_wts = torch.where(passed, (go * xa).sum(dim=-1, keepdim=True), d_wts)
+        d_x += go * identity_weight(wts.view(T, K), topk_ids, E)
     if grad_topk_weights is not None:
         d_wts = d_wts + grad_topk_weights.to(acc)
     logits = _logits_of(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)

@@ -74,6 +74,11 @@ class RoutingSpec:
     weight_on_input: the routing weight scales the expert's *input* instead of
         its output (Llama4): expert k of token t runs on
         ``(x[t] * w[t,k]).to(x.dtype)`` and the k outputs are summed unweighted.
+    identity_experts: the router ranks ``E + identity_experts`` choices; a pair
+        sent to one of the last ``identity_experts`` (ids ``E ..``) runs no expert
+        and passes its token through, weighted (LongCat-Flash's zero-computation
+        experts): ``out = experts_sum.to(x.dtype) + (x * s).to(x.dtype)`` with ``s``
+        the sum of the token's identity weights, rounded as LongCat does it.
 
     "fp32" in these flags means "at least fp32": HF's ``.float()`` upcasts bf16
     and fp16, while fp64 inputs stay fp64 (so fp64 gradcheck sees no fp32 rounding).
@@ -93,6 +98,7 @@ class RoutingSpec:
     weight_on_input: bool = False
     renorm_min: float = 0.0
     group_top: int = 2
+    identity_experts: int = 0
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -107,6 +113,8 @@ class RoutingSpec:
             raise ValueError(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {self.group_top}")
         if not 0.0 <= self.renorm_min < float("inf"):
             raise ValueError(f"renorm_min must be a finite number >= 0, got {self.renorm_min}")
+        if self.identity_experts < 0:
+            raise ValueError(f"identity_experts must be >= 0, got {self.identity_experts}")
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,17 @@ def test_gemma4_trains_fused(dtype):
     _check_step(model, dtype, train=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_longcat_flash_trains_fused(dtype):
+    """LongCat-Flash: half as many zero-computation experts as experts (a token sent to one passes through,
+    weighted), the op's identity_experts. Every layer's MoE block fused; logits, loss and every gradient as eager's."""
+    pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash")
+    model = tiny_model("longcat_flash", dtype)
+    model.set_experts_implementation("grouped_mm")
+    assert model.config.zero_expert_num == model.config.n_routed_experts // 2
+    _check_step(model, dtype, train=True)
+
+
 def test_openai_privacy_filter_trains_fused():
     """OpenAI's privacy filter (an encoder; routing weights divided by top_k, the experts' sum multiplied by it after
     the block): every layer fused under backend="mok", its output and every parameter gradient as eager's (fp32)."""

@@ -231,13 +231,14 @@ def rounded_weighted_input(dtype):
         reference._weighted_input = fp32_input
 
 
-def small_layer(T, H, E, I, g, device, dtype):
-    """The op's 8 tensor arguments for the interpreted-and-GPU cases of given ids and the expert scale: x, router,
-    gate_up and down weights and a down bias (no other bias), drawn from the CPU generator `g` in that order."""
+def small_layer(T, H, E, I, g, device, dtype, choices=None):
+    """The op's 8 tensor arguments for the interpreted-and-GPU cases of given ids, the expert scale and identity
+    experts: x, router (of `choices` rows, default E), gate_up and down weights and a down bias (no other bias),
+    drawn from the CPU generator `g` in that order."""
     def draw(*shape, std):
         return (torch.randn(*shape, generator=g) * std).to(device, dtype)
 
-    x, router = draw(T, H, std=0.5), draw(E, H, std=0.3)
+    x, router = draw(T, H, std=0.5), draw(choices or E, H, std=0.3)
     w1, w2, b2 = draw(E, 2 * I, H, std=0.2), draw(E, H, I, std=0.2), draw(E, H, std=0.1)
     return (x, router, None, None, w1, None, w2, b2)
 

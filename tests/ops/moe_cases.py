@@ -166,9 +166,11 @@ def make_args(case: Case, T: int = 6, H: int = 12, I: int = 4, *, dtype: torch.d
 
     H != 2I and H != I so that a wrong layout cannot pass by accident. Scales give
     well separated router scores (no ties) and unit-scale expert activations.
-    dtype overrides the case's dtype for every tensor (router included).
+    dtype overrides the case's dtype for every tensor (router included). The router ranks the experts and any
+    identity experts (`RoutingSpec.identity_experts`).
     """
     E = case.num_experts
+    R = E + case.routing.identity_experts
     x_dtype = dtype or case.dtype
     r_dtype = dtype or case.router_dtype or x_dtype
     gen = torch.Generator().manual_seed(seed)
@@ -178,11 +180,11 @@ def make_args(case: Case, T: int = 6, H: int = 12, I: int = 4, *, dtype: torch.d
 
     up = 2 * I if case.experts.gated else I
     x = rand(T, H)
-    router = rand(T, E, scale=1.5, dt=r_dtype) if case.routing.router_is_logits else rand(E, H, scale=0.5, dt=r_dtype)
-    router_bias = rand(E, scale=0.5, dt=r_dtype) if case.router_bias else None
+    router = rand(T, R, scale=1.5, dt=r_dtype) if case.routing.router_is_logits else rand(R, H, scale=0.5, dt=r_dtype)
+    router_bias = rand(R, scale=0.5, dt=r_dtype) if case.router_bias else None
     # Comparable with the spread of what the top-k ranks (scores in (0, 1), or logits), so that it changes choices.
     bias_scale = 1.0 if case.routing.routing in ("topk_softmax", "topk_sigmoid") else 0.1
-    selection_bias = (rand(E, scale=bias_scale, dt=torch.float32 if dtype is None else dtype) if case.selection_bias
+    selection_bias = (rand(R, scale=bias_scale, dt=torch.float32 if dtype is None else dtype) if case.selection_bias
                       else None)
     if case.experts.transposed:
         gate_up, down = rand(E, H, up, scale=H**-0.5), rand(E, I, H, scale=I**-0.5)
@@ -267,7 +269,8 @@ def dense_oracle(args, kwargs):
     Weights are keyed by expert id, so comparisons do not depend on the order in
     which a kernel returns the k choices. With `expert_ids` in `kwargs` (given ids, which may repeat an expert
     in a row: then the key holds the last slot's weight) those are the chosen experts, in their order. With
-    `expert_scale`, each weight is multiplied last by its expert's value.
+    `expert_scale`, each weight is multiplied last by its expert's value. A choice past the experts (an identity
+    expert's) adds the token itself, weighted.
     """
     kw = with_defaults(kwargs)
     spec = ExpertSpec(**{f.name: kw[f.name] for f in dataclasses.fields(ExpertSpec)})
@@ -317,6 +320,10 @@ def dense_oracle(args, kwargs):
             w = w * kw["expert_scale"][chosen]
         y = torch.zeros_like(x[t])
         for k, e in enumerate(chosen):
+            weights[(t, e)] = w[k]
+            if e >= gate_up.shape[0]:  # an identity expert
+                y = y + w[k] * x[t]
+                continue
             xin = x[t] * w[k] if kw["weight_on_input"] else x[t]  # Llama4: the weight scales the input
             h = xin @ gate_up[e] if spec.transposed else gate_up[e] @ xin
             if gate_up_bias is not None:
@@ -326,7 +333,6 @@ def dense_oracle(args, kwargs):
             if down_bias is not None:
                 o = o + down_bias[e]
             y = y + (o if kw["weight_on_input"] else w[k] * o)
-            weights[(t, e)] = w[k]
         outs.append(y)
     out = torch.stack(outs) if outs else x.new_zeros(0, H)
     return out, weights

@@ -449,18 +449,72 @@ def test_longcat_flash_block_without_zero_experts_fused(dtype):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
-def test_longcat_flash_zero_computation_experts_not_fused():
-    """Near miss: LongCat-Flash's zero-computation experts (router outputs past the experts' count; a token sent to
-    one passes through, weighted) are not computed by the op: the block is left as it is, with that reason."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_longcat_flash_zero_computation_experts_fused(dtype):
+    """LongCat-Flash's zero-computation experts (router outputs past the experts' count; a token sent to one passes
+    through, weighted, added to the experts' output): the op's identity_experts. One block fused, its output
+    bitwise eager's (the op rounds the experts' sum and the identity term as LongCat does), the report says so."""
     block_cls, config = _longcat_block(4)
+    _, x, gm, example, routing, eager = _fused_block(block_cls, config, dtype)
+    assert (routing.identity_experts, routing.router_fp32, routing.routed_scale) == (4, dtype != torch.float32, 2.0)
+    assert torch.equal(_output(run(gm, example)), eager)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert op.kwargs["identity_experts"] == 4 and tensor_meta(op.args[4]).shape[0] == 8
+
+
+def _longcat_variant(identity_term):
+    """LongcatFlashMoE whose zero-computation experts' pairs are zeroed for the experts as HF does it, and whose
+    identity term is `identity_term(x, weights, mask)` (None: nothing added; MoE++'s zero experts, which output 0)."""
+    modeling = pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash")
+
+    class Variant(modeling.LongcatFlashMoE):
+        def forward(self, hidden_states):
+            shape = hidden_states.shape
+            hidden_states = hidden_states.reshape(-1, shape[-1])
+            _, weights, ids = self.router(hidden_states)
+            mask = ids >= self.num_routed_experts
+            term = identity_term(hidden_states, weights, mask)
+            ids = torch.where(mask, (ids - self.num_routed_experts) * self.num_routed_experts // self.zero_expert_num,
+                              ids)
+            out = self.experts(hidden_states, ids, weights.masked_fill(mask, 0.0))
+            if term is not None:
+                out = out + term.to(out.dtype)
+            return out.reshape(shape)
+
+    return Variant
+
+
+_DISPROVED = "taken as 4 identity experts (LongCat-Flash's zero-computation experts), the probe disproves it"
+
+
+@pytest.mark.parametrize("term, reason", [
+    (lambda x, w, mask: None, _DISPROVED),  # MoE++'s zero experts: output 0
+    (lambda x, w, mask: x * w.sum(dim=-1, keepdim=True), _DISPROVED),  # every weight summed, not the identity pairs'
+    (lambda x, w, mask: x * (2 * w.masked_fill(~mask, 0.0).sum(dim=-1, keepdim=True)),  # twice the token
+     "routing weights are not multiplied with the expert output"),
+], ids=["zero_output", "all_weights", "twice"])
+def test_longcat_flash_near_miss_identity_terms_not_fused(term, reason):
+    """Near misses of LongCat-Flash's zero-computation experts: the router has more outputs than there are experts,
+    but what a pair sent past the experts adds is not the token times its weight. Left as they are, with the
+    reason."""
+    _, config = _longcat_block(4)
     config._experts_implementation = "grouped_mm"
-    block = init_moe_weights_(block_cls(config)).eval()
+    block = init_moe_weights_(_longcat_variant(term)(config)).eval()
     (graph,), eager = capture(block, torch.randn(2, 5, 64))
     gm, example = graph
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
-    assert "has 8 experts, the router 12; router outputs past the experts" in report.blocks[0].reason, str(report)
+    assert reason in report.blocks[0].reason, report.blocks[0].reason
     torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
+
+
+def test_longcat_flash_variant_with_hf_identity_term_fused():
+    """The near misses' module with LongCat-Flash's own identity term: fused (the near misses fail on their term)."""
+    block_cls = _longcat_variant(lambda x, w, mask: x * w.masked_fill(~mask, 0.0).sum(dim=-1, keepdim=True))
+    _, config = _longcat_block(4)
+    block, x, gm, example, routing, eager = _fused_block(block_cls, config, torch.float32)
+    assert routing.identity_experts == 4
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
 
 
 def _gemma4_model(router: str = "hf"):

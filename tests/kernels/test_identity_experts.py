@@ -1,0 +1,122 @@
+"""Identity experts (`mok::fused_moe`'s `identity_experts`, LongCat-Flash's zero-computation experts) in the Triton
+kernels: the router ranks E + Z choices, the sort gives the identity pairs the last sorted positions, which no GEMM
+runs, and the combine adds each token's identity weight times x (forward) or times grad_out (backward); an identity
+pair's d(weight) is <grad_out, x>. Forward, backward with and without the training forward's saved layout, against
+the reference in fp32, for every routing family, at a token count one routing program holds and at one it does
+not, with expert biases on both projections; the gradients twice, for the same bits. Run under TRITON_INTERPRET=1
+in a subprocess, and on the GPU."""
+
+import pytest
+import torch
+
+from tests.kernels.interpreted import run_compare
+
+pytest.importorskip("triton")
+
+_CASE = r"""
+import torch
+from mok_compile.kernels import moe
+from mok_compile.ops import reference
+from tests.kernels.cases import rel_err, small_layer
+
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk")
+NAMES = ("dx", "drouter", None, "dw1", "db1", "dw2", "db2")
+
+def compare(device, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    res = {}
+    for T in (5, 70):  # 70: more tokens than one routing program holds at 12 choices (64), so scan and scatter run
+        H, E, Z, I, K = 32, 8, 4, 16, 3
+        x, router, _, _, w1, _, w2, b2 = small_layer(T, H, E, I, g, device, dtype, choices=E + Z)
+        b1 = (torch.randn(E, 2 * I, generator=g) * 0.1).to(device, dtype)
+        tensors = (x, router, None, None, w1, b1, w2, b2)
+        go = torch.randn(T, H, generator=g).to(device, dtype)
+        gw = torch.randn(T, K, generator=g).to(device, dtype)
+        for routing in ROUTINGS if T < 64 else ROUTINGS[:1]:
+            kw = dict(top_k=K, routing=routing, renormalize=routing not in ("topk_softmax", "softmax_topk"),
+                      routed_scale=1.5, identity_experts=Z)
+            out, w, ids = moe.fused_moe_forward(*tensors, **kw)
+            r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
+            grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
+            again = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
+            r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)  # gw: in ids order
+            *_, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+            saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, router_logits=logits,
+                                           routing_layout=layout, **kw)
+            res[f"{T}/{routing}"] = dict(
+                ids_equal=bool(torch.equal(ids.sort(-1).values, r_ids.sort(-1).values)),
+                both_kinds=bool((ids >= E).any() and (ids < E).any()),
+                same_bits=all(torch.equal(a, b) for a, b in zip(grads, again) if a is not None),
+                out=rel_err(out, r_out), w=rel_err(w.sort(-1).values, r_w.sort(-1).values),
+                **{n: rel_err(a, b) for n, a, b in zip(NAMES, grads, r_grads) if n},
+                **{"saved_" + n: rel_err(a, b) for n, a, b in zip(NAMES, saved, r_grads) if n})
+    return res
+"""
+
+
+def _check(results, tol=2e-5):
+    assert len(results) == 6
+    for name, r in results.items():
+        assert r.pop("ids_equal") and r.pop("both_kinds") and r.pop("same_bits"), name
+        assert max(r.values()) < tol, (name, r)
+
+
+def test_identity_experts_interpreted():
+    _check(run_compare(_CASE, "cpu"))
+
+
+@pytest.mark.gpu
+def test_identity_experts_gpu():
+    _check(run_compare(_CASE, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3, 300, 4096])
+def test_identity_experts_through_autograd_on_cuda(T, monkeypatch):
+    """bf16 with LongCat-Flash's proportions (64 experts + 32 identity experts, top-12, an fp32 router, scaled
+    weights), through the op's autograd: the first call runs the launches, the second captures CUDA graphs at few
+    tokens (forward and backward), the third replays them, a fourth runs with the graphs off. Every call gives the
+    same bits, within bf16 rounding of the reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mok_compile.kernels import graphs
+    from mok_compile.ops import reference
+    from tests.kernels.cases import rel_err
+
+    g = torch.Generator().manual_seed(T)
+    H, I, E, Z, K = 256, 128, 64, 32, 12
+
+    def rnd(*shape, scale, dtype=torch.bfloat16):
+        return (torch.randn(shape, generator=g) * scale).to("cuda", dtype)
+
+    x, router = rnd(T, H, scale=1.0), rnd(E + Z, H, scale=H ** -0.5, dtype=torch.float32)
+    w1, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
+    go = rnd(T, H, scale=1.0)
+    kw = dict(top_k=K, router_fp32=True, routed_scale=6.0, identity_experts=Z)
+    weights = [t.clone().requires_grad_() for t in (router, w1, w2)]  # one set: graphs key them by address
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
+    runs = []
+    for call in range(4):
+        if call == 3:
+            monkeypatch.setattr(graphs, "max_tokens", 0)
+        replays.clear()
+        leaves = [x.clone().requires_grad_(), *weights]
+        lx, lr, l1, l2 = leaves
+        out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw)
+        grads = torch.autograd.grad((out * go).sum(), leaves)
+        runs.append((out, w, ids, *grads))
+        if call == 2:  # forward and backward replayed where the tokens are few enough
+            assert (len(replays) >= 2) if T <= graphs.max_tokens else not replays, len(replays)
+    for later in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+    out, w, ids, *grads = runs[0]
+    assert (ids >= E).any() and (ids < E).any()
+    r_out, r_w, r_ids = reference.fused_moe_reference(x, router, None, None, w1, None, w2, None, **kw)
+    assert torch.equal(ids.sort(-1).values, r_ids.sort(-1).values)
+    assert rel_err(out, r_out) < 2e-2
+    r_grads = reference.fused_moe_backward_reference(go, None, x, router, None, None, w1, None, w2, None, w, ids,
+                                                     **kw)
+    for got, want in zip(grads, [r_grads[i] for i in (0, 1, 3, 5)]):
+        assert got.dtype == want.dtype and rel_err(got, want) < 3e-2, rel_err(got, want)
