@@ -253,6 +253,12 @@ Tensor activate(const Tensor& h, const MoeOptions& o) {
       return (up + 1) * glu;
     }
     if (act == "clamped_swiglu") return at::silu(gate.clamp(std::nullopt, o.limit)) * up.clamp(-o.limit, o.limit);
+    if (act == "softcapped_swiglu") {  // Inkling2: cap(g, alpha) * sigmoid(g) * cap(u, limit), in fp32, rounded once
+      const at::ScalarType acc = acc_dtype(h.scalar_type());
+      Tensor g = gate.to(acc), u = up.to(acc);
+      return (at::tanh(g / o.alpha) * o.alpha * at::sigmoid(g) * (at::tanh(u / o.limit) * o.limit))
+          .to(h.scalar_type());
+    }
   } else {
     if (act == "relu2") return at::square(at::relu(h));
     if (act == "relu") return at::relu(h);
@@ -295,6 +301,11 @@ Tensor activation_backward(const Tensor& h, const Tensor& da, const MoeOptions& 
       Tensor s = at::sigmoid(gc);
       dg = (da * uc * s * (1 + gc * (1 - s))) * (g <= o.limit);
       du = (da * gc * s) * ((u >= -o.limit) & (u <= o.limit));
+    } else if (act == "softcapped_swiglu") {  // d cap(v, c) / dv = 1 - tanh(v / c)^2
+      Tensor tg = at::tanh(g / o.alpha), tu = at::tanh(u / o.limit);
+      Tensor s = at::sigmoid(g);
+      dg = da * (tu * o.limit) * ((1 - tg * tg) * s + tg * o.alpha * s * (1 - s));
+      du = da * (tg * o.alpha) * s * (1 - tu * tu);
     } else {
       TORCH_CHECK(false, "mok_cpu.fused_moe_backward: unknown gated activation '", act, "'");
     }

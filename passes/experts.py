@@ -29,7 +29,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
-from .op_names import LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, tensor_meta
+from .op_names import CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, tensor_meta
 from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
 
@@ -79,6 +79,27 @@ def _clamp_limit(between) -> float:
     if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
         raise NoMatch("clamped SwiGLU has unexpected clamp limits")
     return float(next(iter(maxes)))
+
+
+def _softcaps(between) -> tuple[float, float]:
+    """(gate cap, up cap) of Inkling2's softcapped SwiGLU, ``tanh(g / a) * a * sigmoid(g) * tanh(u / b) * b``: each
+    ``tanh`` reads a division by a constant and is multiplied by the same constant; the gate's is the one whose
+    value the sigmoid also reads. Which product joins which is for the probe to prove."""
+    caps = {}
+    for tanh in (n for n in between if op_name(n) == "tanh"):
+        div, users = tanh.args[0], list(tanh.users)
+        c = _const(div) if isinstance(div, fx.Node) and op_name(div) == "div" else None
+        if c is None or div.args[1] != c or len(users) != 1 or op_name(users[0]) != "mul" or _const(users[0]) != c:
+            raise NoMatch("the softcapped SwiGLU's tanh is not tanh(v / c) * c with one constant c")
+        caps[strip(div.args[0], CAST_OPS)] = float(c)
+    if len(caps) != 2:
+        raise NoMatch("the softcapped SwiGLU does not cap two values (its gate and up)")
+    sigmoid = next(n for n in between if op_name(n) == "sigmoid")
+    gate = strip(sigmoid.args[0], CAST_OPS)
+    if gate not in caps:
+        raise NoMatch("the softcapped SwiGLU's sigmoid does not read its capped gate")
+    (up,) = set(caps) - {gate}
+    return caps[gate], caps[up]
 
 
 def _check_clamped_swiglu(between):
@@ -135,6 +156,9 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         elif kinds == Counter(clamp=2, silu=1, mul=1):  # DeepSeek-V4: silu(g.clamp(max=L)) * u.clamp(-L, L)
             act, limit = "clamped_swiglu", _clamp_limit(between)
             _check_clamped_swiglu(between)
+        elif kinds == Counter(div=2, tanh=2, mul=4, sigmoid=1):  # Inkling2: cap(g) * sigmoid(g) * cap(u)
+            act = "softcapped_swiglu"
+            alpha, limit = _softcaps(between)
         else:
             raise NoMatch(f"gated expert activation {dict(kinds)} is not supported")
     else:

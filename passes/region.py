@@ -69,6 +69,7 @@ KNOWN_OPS = frozenset({
     "full_like", "repeat",  # dense weight-on-input routing (Llama4): -inf scatter of the top-k, repeated input
     "softplus", "sqrt",  # DeepSeek-V4's router scores, sqrt(softplus(logits))
     "max",  # a group's largest score in group-limited routing (DeepSeek-V2); `routing.match_router` places it
+    "tanh",  # Inkling2's softcapped SwiGLU (`experts.activation_between` places it)
 })
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.

@@ -20,6 +20,7 @@ ACTIVATION_CODES = {
     (True, "gelu_tanh"): 2,
     (True, "clamped_silu"): 3,
     (True, "clamped_swiglu"): 9,
+    (True, "softcapped_swiglu"): 10,
     (False, "relu2"): 4,
     (False, "relu"): 5,
     (False, "silu"): 6,
@@ -81,6 +82,8 @@ def act_forward(g, u, alpha, limit, ACT: tl.constexpr, DT: tl.constexpr):
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         return _r(_r(gc * _sigmoid(gc), DT) * uc, DT)
+    elif ACT == 10:  # Inkling2: cap(g, alpha) * sigmoid(g) * cap(u, limit), cap(v, c) = tanh(v / c) * c, in fp32
+        return _r(_tanh(g / alpha) * alpha * _sigmoid(g) * (_tanh(u / limit) * limit), DT)
     elif ACT == 4:  # relu(h)^2
         r = tl.maximum(g, 0.0)
         return _r(r * r, DT)
@@ -121,6 +124,13 @@ def act_backward(g, u, da, alpha, limit, ACT: tl.constexpr):
         s = _sigmoid(gc)
         dg = tl.where(g <= limit, da * uc * s * (1.0 + gc * (1.0 - s)), 0.0)
         du = tl.where((u >= -limit) & (u <= limit), da * gc * s, 0.0)
+        return dg, du
+    elif ACT == 10:  # d cap(v, c) / dv = 1 - tanh(v / c)^2
+        tg = _tanh(g / alpha)
+        tu = _tanh(u / limit)
+        s = _sigmoid(g)
+        dg = da * (tu * limit) * ((1.0 - tg * tg) * s + tg * alpha * s * (1.0 - s))
+        du = da * (tg * alpha) * s * (1.0 - tu * tu)
         return dg, du
     elif ACT == 4:
         return da * 2.0 * tl.maximum(g, 0.0), da * 0.0

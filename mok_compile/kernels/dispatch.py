@@ -328,9 +328,10 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
         K=K, HAS_W=topk_weights is not None,
         ROUND_PRODUCT=bool(round_product) and topk_weights is not None,
         HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-        **({} if bias is None else dict(bias_ptr=bias, ids_ptr=topk_ids, stride_be=bias.stride(0), HAS_BIAS=True)),
+        **({} if bias is None and identity is None else dict(ids_ptr=topk_ids)),
+        **({} if bias is None else dict(bias_ptr=bias, stride_be=bias.stride(0), HAS_BIAS=True)),
         **({} if identity is None else dict(
-            ids_ptr=topk_ids, ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0),
-            num_experts=identity[2], IDENTITY=True, ROUND_IDENTITY=identity[3])),
+            ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0), num_experts=identity[2],
+            IDENTITY=True, ROUND_IDENTITY=identity[3])),
     )
     return out

@@ -169,6 +169,9 @@ def activate(h, *, activation, gated, interleaved, alpha, limit):
             return (up + 1) * glu
         if activation == "clamped_swiglu":
             return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        if activation == "softcapped_swiglu":  # Inkling2: in fp32, rounded once
+            g, u = _upcast(gate), _upcast(up)
+            return (_softcap(g, alpha) * torch.sigmoid(g) * _softcap(u, limit)).to(h.dtype)
     else:
         if activation == "relu2":
             return torch.square(F.relu(h))
@@ -181,6 +184,11 @@ def activate(h, *, activation, gated, interleaved, alpha, limit):
         if activation == "gelu_tanh":
             return F.gelu(h, approximate="tanh")
     raise ValueError(f"unknown activation {activation!r} (gated={gated})")
+
+
+def _softcap(v, cap):
+    """tanh(v / cap) * cap, as Inkling2 writes it."""
+    return torch.tanh(v / cap) * cap
 
 
 def _project(x, weight, bias, transposed):
@@ -284,6 +292,11 @@ def activation_backward(h, da, *, activation, gated, interleaved, alpha, limit):
             s = torch.sigmoid(gc)
             dg = (da * uc * s * (1 + gc * (1 - s))) * (g <= limit)
             du = (da * gc * s) * ((u >= -limit) & (u <= limit))
+        elif activation == "softcapped_swiglu":  # d cap(v, c) / dv = 1 - tanh(v / c)^2
+            tg, tu = torch.tanh(g / alpha), torch.tanh(u / limit)
+            s = torch.sigmoid(g)
+            dg = da * (tu * limit) * ((1 - tg * tg) * s + tg * alpha * s * (1 - s))
+            du = da * (tg * alpha) * s * (1 - tu * tu)
         else:
             raise ValueError(f"unknown gated activation {activation!r}")
         if interleaved:

@@ -44,7 +44,7 @@ ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoi
 SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
 # The routings that take group-limited selection (n_group > 1).
 GROUPED_ROUTINGS = ("softmax_topk", *SCORE_ROUTINGS)
-GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu")
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
 
 
@@ -131,7 +131,9 @@ class ExpertSpec:
     activation: for gated experts ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or
         ``clamped_silu`` (GPT-OSS: ``(clamp(u,-limit,limit)+1) * g*sigmoid(alpha*g)``
         with ``g = min(g, limit)``) or ``clamped_swiglu`` (DeepSeek-V4:
-        ``silu(min(g, limit)) * clamp(u, -limit, limit)``); for ungated ones
+        ``silu(min(g, limit)) * clamp(u, -limit, limit)``) or ``softcapped_swiglu``
+        (Inkling2: ``cap(g, alpha) * sigmoid(g) * cap(u, limit)`` with ``cap(v, c) =
+        tanh(v / c) * c``, in fp32 and rounded once); for ungated ones
         ``relu2``, ``relu``, ``silu``, ``gelu`` or ``gelu_tanh``.
     """
 

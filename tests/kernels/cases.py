@@ -35,6 +35,11 @@ VARIANTS = {
                 ExpertSpec(activation="clamped_silu", interleaved=True, transposed=True, alpha=1.702, limit=7.0),
                 True, True, False),
     "granite": (dict(routing="topk_softmax", weights_fp32=False), ExpertSpec(), False, False, False),
+    # Inkling2: an fp32 router's sigmoid scores, a selection bias, renormalised (+1e-20), scaled; its softcapped SwiGLU,
+    # tanh(g / alpha) * alpha * sigmoid(g) * tanh(u / limit) * limit in fp32, with caps unit-scale activations feel.
+    "inkling2": (dict(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20,
+                      routed_scale=2.5), ExpertSpec(activation="softcapped_swiglu", alpha=0.8, limit=1.5), False, False,
+                 True),
     # OpenAI's privacy filter: an fp32 router with a bias, the softmax of the top-k logits / top_k, GPT-OSS's clamped
     # SwiGLU on gate and up halves (not interleaved), [E, H, 2I] experts with biases.
     "privacy_filter": (dict(routing="topk_softmax", router_fp32=True, routed_scale=0.5),

@@ -71,12 +71,13 @@ def test_identity_experts_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 3, 300, 4096])
-def test_identity_experts_through_autograd_on_cuda(T, monkeypatch):
+@pytest.mark.parametrize("T, biases", [(1, False), (3, False), (300, False), (4096, False), (3, True), (4096, True)])
+def test_identity_experts_through_autograd_on_cuda(T, biases, monkeypatch):
     """bf16 with LongCat-Flash's proportions (64 experts + 32 identity experts, top-12, an fp32 router, scaled
     weights), through the op's autograd: the first call runs the launches, the second captures CUDA graphs at few
     tokens (forward and backward), the third replays them, a fourth runs with the graphs off. Every call gives the
-    same bits, within bf16 rounding of the reference."""
+    same bits, within bf16 rounding of the reference. With expert biases too (which the GEMM engines of many rows
+    add in other places than the Triton kernels)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from mok_compile.kernels import graphs
@@ -91,9 +92,10 @@ def test_identity_experts_through_autograd_on_cuda(T, monkeypatch):
 
     x, router = rnd(T, H, scale=1.0), rnd(E + Z, H, scale=H ** -0.5, dtype=torch.float32)
     w1, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
+    b1, b2 = (rnd(E, 2 * I, scale=0.1), rnd(E, H, scale=0.1)) if biases else (None, None)
     go = rnd(T, H, scale=1.0)
     kw = dict(top_k=K, router_fp32=True, routed_scale=6.0, identity_experts=Z)
-    weights = [t.clone().requires_grad_() for t in (router, w1, w2)]  # one set: graphs key them by address
+    weights = [t.clone().requires_grad_() for t in (router, w1, w2, *((b1, b2) if biases else ()))]
     replays = []
     real = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
@@ -103,8 +105,8 @@ def test_identity_experts_through_autograd_on_cuda(T, monkeypatch):
             monkeypatch.setattr(graphs, "max_tokens", 0)
         replays.clear()
         leaves = [x.clone().requires_grad_(), *weights]
-        lx, lr, l1, l2 = leaves
-        out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw)
+        lx, lr, l1, l2, lb1, lb2 = leaves + [None] * (6 - len(leaves))
+        out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, lb1, l2, lb2, **kw)
         grads = torch.autograd.grad((out * go).sum(), leaves)
         runs.append((out, w, ids, *grads))
         if call == 2:  # forward and backward replayed where the tokens are few enough
@@ -113,10 +115,9 @@ def test_identity_experts_through_autograd_on_cuda(T, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
     out, w, ids, *grads = runs[0]
     assert (ids >= E).any() and (ids < E).any()
-    r_out, r_w, r_ids = reference.fused_moe_reference(x, router, None, None, w1, None, w2, None, **kw)
+    r_out, r_w, r_ids = reference.fused_moe_reference(x, router, None, None, w1, b1, w2, b2, **kw)
     assert torch.equal(ids.sort(-1).values, r_ids.sort(-1).values)
     assert rel_err(out, r_out) < 2e-2
-    r_grads = reference.fused_moe_backward_reference(go, None, x, router, None, None, w1, None, w2, None, w, ids,
-                                                     **kw)
-    for got, want in zip(grads, [r_grads[i] for i in (0, 1, 3, 5)]):
+    r_grads = reference.fused_moe_backward_reference(go, None, x, router, None, None, w1, b1, w2, b2, w, ids, **kw)
+    for got, want in zip(grads, [r_grads[i] for i in (0, 1, 3, 5, *((4, 6) if biases else ()))]):
         assert got.dtype == want.dtype and rel_err(got, want) < 3e-2, rel_err(got, want)

@@ -147,6 +147,13 @@ EXPERT_CASES = [
     # DeepSeek-V4's: silu(min(g, limit)) * clamp(u, -limit, limit).
     Case("clamped_swiglu", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75)),
     Case("clamped_swiglu_bf16", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75), dtype=torch.bfloat16),
+    # Inkling2's: tanh(g / alpha) * alpha * sigmoid(g) * tanh(u / limit) * limit, with caps unit-scale activations
+    # feel (Inkling2's are 4 and 25).
+    Case("softcapped_swiglu", _r(), ExpertSpec(activation="softcapped_swiglu", alpha=0.8, limit=1.5)),
+    Case("softcapped_swiglu_bf16", _r(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True,
+                                      renorm_eps=1e-20, routed_scale=2.5),
+         ExpertSpec(activation="softcapped_swiglu", alpha=0.8, limit=1.5), selection_bias=True, dtype=torch.bfloat16,
+         router_dtype=torch.float32),
     Case("relu2", _r(), ExpertSpec(activation="relu2", gated=False)),
     Case("relu2_transposed_bias", _r(), ExpertSpec(activation="relu2", gated=False, transposed=True),
          expert_bias=True),
@@ -235,6 +242,8 @@ def _activation(h, spec: ExpertSpec, I: int):
             g = torch.clamp(g, max=spec.limit)
             u = torch.clamp(u, min=-spec.limit, max=spec.limit)
             return g * _sigmoid(g) * u
+        if spec.activation == "softcapped_swiglu":
+            return torch.tanh(g / spec.alpha) * spec.alpha * _sigmoid(g) * torch.tanh(u / spec.limit) * spec.limit
     else:
         relu = torch.where(h > 0, h, torch.zeros_like(h))
         if spec.activation == "relu2":

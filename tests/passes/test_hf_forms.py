@@ -517,6 +517,59 @@ def test_longcat_flash_variant_with_hf_identity_term_fused():
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
 
 
+def _inkling2_block(dtype, activation=None):
+    """Inkling2's MoE block (fp32 router with sigmoid scores and a selection bias, its softcapped SwiGLU), captured
+    on a [2, 5, 64] input: (gm, example_inputs, eager output). `activation`: a (gate, up) -> act function replacing
+    its own (near misses)."""
+    modeling = pytest.importorskip("transformers.models.inkling2.modeling_inkling2")
+    config = modeling.Inkling2TextConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8,
+                                         num_local_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(modeling.Inkling2SparseMoeBlock(config)).to(dtype).eval()
+    block.gate.float()  # fp32 in HF's bf16 model too: the router computes on x.float()
+    if activation is not None:
+        block.experts.act_fn.forward = activation
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    return (*graph, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_inkling2_softcapped_swiglu_fused(dtype):
+    """Inkling2's experts: tanh(g / 4) * 4 * sigmoid(g) * tanh(u / 25) * 25 in fp32, rounded once (the op's
+    softcapped_swiglu, gate cap in `alpha`, up cap in `limit`), behind an fp32 sigmoid router with a selection bias,
+    renormalised (+1e-20) and scaled."""
+    gm, example, eager = _inkling2_block(dtype)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    e, r = report.blocks[0].experts, report.blocks[0].routing
+    assert (e.activation, e.alpha, e.limit) == ("softcapped_swiglu", 4.0, 25.0)
+    assert (r.routing, r.renormalize, r.routed_scale) == ("sigmoid_grouped_topk", True, 8.0)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+def _softcap(v, cap, mul_cap=None):
+    return torch.tanh(v / cap) * (cap if mul_cap is None else mul_cap)
+
+
+@pytest.mark.parametrize("activation, reason", [
+    (lambda g, u: (_softcap(g.float(), 4.0, 5.0) * torch.sigmoid(g.float()) * _softcap(u.float(), 25.0)).to(g.dtype),
+     "not tanh(v / c) * c"),  # the cap multiplies back by another constant
+    (lambda g, u: (_softcap(g.float(), 4.0) * torch.sigmoid(u.float()) * _softcap(u.float(), 25.0)).to(g.dtype),
+     "probe: outputs differ"),  # the sigmoid of up (the halves' roles swapped)
+    (lambda g, u: (_softcap(g.float(), 4.0) * torch.sigmoid(u.float() * 2) * _softcap(u.float(), 25.0)).to(g.dtype),
+     "not supported"),  # another op in the activation
+    (lambda g, u: (_softcap(g.float(), 4.0) * torch.sigmoid(g.float()) * _softcap(g.float(), 25.0)).to(g.dtype),
+     "does not cap two values"),  # up unused: the gate twice
+])
+def test_inkling2_near_miss_softcaps_not_fused(activation, reason):
+    """Near misses of the softcapped SwiGLU, each left as it is with its reason."""
+    gm, example, eager = _inkling2_block(torch.float32, activation)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
+    assert reason in report.blocks[0].reason, report.blocks[0].reason
+    torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
+
+
 def _gemma4_model(router: str = "hf"):
     """Gemma 4 cut to 2 layers. `router`: "hf" (Gemma4TextRouter), "unscaled" (one that leaves its per-expert weight
     scale out) or "rounded_scale" (one that rounds the gathered scale to bf16 before multiplying); everything else as
