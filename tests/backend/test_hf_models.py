@@ -123,6 +123,23 @@ def test_longcat_flash_trains_fused(dtype):
     _check_step(model, dtype, train=True)
 
 
+def test_inkling2_trains_fused():
+    """Inkling2 (transformers >= 5.25): an fp32 sigmoid router with a selection bias and the softcapped SwiGLU
+    (`tanh(g / 4) * 4 * sigmoid(g) * tanh(u / 25) * 25`, the op's softcapped_swiglu), between its hybrid attention
+    layers. Every layer's MoE block fused; logits, loss and every gradient as eager's (fp32)."""
+    configuration = pytest.importorskip("transformers.models.inkling2.configuration_inkling2")
+    import transformers
+
+    config = configuration.Inkling2TextConfig(
+        hidden_size=64, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=8, num_local_experts=8,
+        num_experts_per_tok=2, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.set_experts_implementation("grouped_mm")
+    _check_step(model, torch.float32, train=True)
+
+
 def test_openai_privacy_filter_trains_fused():
     """OpenAI's privacy filter (an encoder; routing weights divided by top_k, the experts' sum multiplied by it after
     the block): every layer fused under backend="mok", its output and every parameter gradient as eager's (fp32)."""
