@@ -248,6 +248,29 @@ def small_layer(T, H, E, I, g, device, dtype, choices=None):
     return (x, router, None, None, w1, None, w2, b2)
 
 
+def four_autograd_calls(step, T, monkeypatch):
+    """`step()` -> (out, weights, ids, *grads) called four times through the op's autograd on CUDA: the first runs the
+    launches, the second captures CUDA graphs at few tokens (forward and backward), the third replays them (checked:
+    at least two replays where T is few enough for graphs, none otherwise), a fourth runs with the graphs off. Every
+    call must give the same bits; returns the first call's results."""
+    from mok_compile.kernels import graphs
+
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
+    runs = []
+    for call in range(4):
+        if call == 3:
+            monkeypatch.setattr(graphs, "max_tokens", 0)
+        replays.clear()
+        runs.append(step())
+        if call == 2:
+            assert (len(replays) >= 2) if T <= graphs.max_tokens else not replays, len(replays)
+    for later in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+    return runs[0]
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

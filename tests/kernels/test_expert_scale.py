@@ -84,9 +84,8 @@ def test_expert_scale_through_autograd_on_cuda(T, monkeypatch):
     its own dtype."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from mok_compile.kernels import graphs
     from mok_compile.ops import reference
-    from tests.kernels.cases import rel_err
+    from tests.kernels.cases import four_autograd_calls, rel_err
 
     g = torch.Generator().manual_seed(T)
     H, I, E, K = 256, 128, 128, 8
@@ -100,24 +99,14 @@ def test_expert_scale_through_autograd_on_cuda(T, monkeypatch):
     go = rnd(T, H, scale=1.0)
     kw = dict(top_k=K, renormalize=True, activation="gelu_tanh")
     weights = [t.clone().requires_grad_() for t in (router, w1, w2, scale)]  # one set: graphs key them by address
-    replays = []
-    real = torch.cuda.CUDAGraph.replay
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
-    runs = []
-    for call in range(4):
-        if call == 3:
-            monkeypatch.setattr(graphs, "max_tokens", 0)
-        replays.clear()
+
+    def step():
         leaves = [x.clone().requires_grad_(), *weights]
         lx, lr, l1, l2, ls = leaves
         out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw, expert_scale=ls)
-        grads = torch.autograd.grad((out * go).sum(), leaves)
-        runs.append((out, w, ids, *grads))
-        if call == 2:  # forward and backward replayed where the tokens are few enough
-            assert (len(replays) >= 2) if T <= graphs.max_tokens else not replays, len(replays)
-    for later in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
-    out, w, ids, *grads = runs[0]
+        return (out, w, ids, *torch.autograd.grad((out * go).sum(), leaves))
+
+    out, w, ids, *grads = four_autograd_calls(step, T, monkeypatch)
     r_out, r_w, r_ids = reference.fused_moe_reference(x, router, None, None, w1, None, w2, None, **kw,
                                                       expert_scale=scale)
     assert torch.equal(ids.sort(-1).values, r_ids.sort(-1).values)

@@ -80,9 +80,8 @@ def test_identity_experts_through_autograd_on_cuda(T, biases, monkeypatch):
     add in other places than the Triton kernels)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from mok_compile.kernels import graphs
     from mok_compile.ops import reference
-    from tests.kernels.cases import rel_err
+    from tests.kernels.cases import four_autograd_calls, rel_err
 
     g = torch.Generator().manual_seed(T)
     H, I, E, Z, K = 256, 128, 64, 32, 12
@@ -96,24 +95,14 @@ def test_identity_experts_through_autograd_on_cuda(T, biases, monkeypatch):
     go = rnd(T, H, scale=1.0)
     kw = dict(top_k=K, router_fp32=True, routed_scale=6.0, identity_experts=Z)
     weights = [t.clone().requires_grad_() for t in (router, w1, w2, *((b1, b2) if biases else ()))]
-    replays = []
-    real = torch.cuda.CUDAGraph.replay
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: replays.append(g) or real(g))
-    runs = []
-    for call in range(4):
-        if call == 3:
-            monkeypatch.setattr(graphs, "max_tokens", 0)
-        replays.clear()
+
+    def step():
         leaves = [x.clone().requires_grad_(), *weights]
         lx, lr, l1, l2, lb1, lb2 = leaves + [None] * (6 - len(leaves))
         out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, lb1, l2, lb2, **kw)
-        grads = torch.autograd.grad((out * go).sum(), leaves)
-        runs.append((out, w, ids, *grads))
-        if call == 2:  # forward and backward replayed where the tokens are few enough
-            assert (len(replays) >= 2) if T <= graphs.max_tokens else not replays, len(replays)
-    for later in runs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
-    out, w, ids, *grads = runs[0]
+        return (out, w, ids, *torch.autograd.grad((out * go).sum(), leaves))
+
+    out, w, ids, *grads = four_autograd_calls(step, T, monkeypatch)
     assert (ids >= E).any() and (ids < E).any()
     r_out, r_w, r_ids = reference.fused_moe_reference(x, router, None, None, w1, b1, w2, b2, **kw)
     assert torch.equal(ids.sort(-1).values, r_ids.sort(-1).values)

@@ -347,6 +347,20 @@ def dense_oracle(args, kwargs):
     return out, weights
 
 
+def gradcheck_op(args, kw) -> bool:
+    """torch.autograd.gradcheck of `mok::fused_moe`'s output and routing weights in its differentiable tensors."""
+    present = [i for i in DIFFERENTIABLE if args[i] is not None]
+
+    def f(*diff):
+        full = list(args)
+        for i, t in zip(present, diff):
+            full[i] = t
+        out, w, _ = torch.ops.mok.fused_moe(*full, **kw)
+        return out, w
+
+    return torch.autograd.gradcheck(f, [args[i] for i in present])
+
+
 def weights_by_expert(topk_weights, topk_ids) -> dict:
     """The op's routing as {(t, expert): weight}, comparable with `dense_oracle`'s."""
     return {(t, int(e)): topk_weights[t, k] for t in range(topk_ids.shape[0])

@@ -14,7 +14,7 @@ import torch
 from mok_compile.export.decompose import EXPERTS_FORMS, fused_moe_decomposed
 from mok_compile.ops import reference
 
-from .moe_cases import CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, make_args
+from .moe_cases import CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, gradcheck_op, make_args
 
 fused_moe = torch.ops.mok.fused_moe.default
 
@@ -57,17 +57,7 @@ def test_given_ids_match_the_dense_oracle(case):
 
 @pytest.mark.parametrize("case", GIVEN_CASES[::2], ids=str)
 def test_given_ids_gradcheck(case):
-    args, kw = _given(case, T=4, requires_grad=True)
-    present = [i for i in DIFFERENTIABLE if args[i] is not None]
-
-    def f(*diff):
-        full = list(args)
-        for i, t in zip(present, diff):
-            full[i] = t
-        out, w, _ = fused_moe(*full, **kw)
-        return out, w
-
-    assert torch.autograd.gradcheck(f, [args[i] for i in present])
+    assert gradcheck_op(*_given(case, T=4, requires_grad=True))
 
 
 def test_given_ids_bf16_match_the_reference():

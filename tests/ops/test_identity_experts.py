@@ -16,7 +16,8 @@ import torch
 from mok_compile.export.decompose import EXPERTS_FORMS, fused_moe_decomposed
 from mok_compile.ops import reference
 
-from .moe_cases import CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, make_args, routing_probe, weights_by_expert
+from .moe_cases import (CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, gradcheck_op, make_args, routing_probe,
+                        weights_by_expert)
 
 fused_moe = torch.ops.mok.fused_moe.default
 
@@ -70,17 +71,7 @@ def test_identity_experts_match_the_dense_oracle(case):
 
 @pytest.mark.parametrize("case", IDENTITY_CASES[::3], ids=str)
 def test_identity_experts_gradcheck(case):
-    args, kw = _args(case, T=5, requires_grad=True)
-    present = [i for i in DIFFERENTIABLE if args[i] is not None]
-
-    def f(*diff):
-        full = list(args)
-        for i, t in zip(present, diff):
-            full[i] = t
-        out, w, _ = fused_moe(*full, **kw)
-        return out, w
-
-    assert torch.autograd.gradcheck(f, [args[i] for i in present])
+    assert gradcheck_op(*_args(case, T=5, requires_grad=True))
 
 
 @pytest.mark.parametrize("case", IDENTITY_CASES, ids=str)
