@@ -1,6 +1,5 @@
 """Varying batch and sequence length: `mok` recompiles no more often than its inner compiler alone."""
 
-import pytest
 import torch
 from torch._dynamo.utils import counters
 
