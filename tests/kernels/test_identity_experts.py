@@ -4,7 +4,7 @@ runs, and the combine adds each token's identity weight times x (forward) or tim
 pair's d(weight) is <grad_out, x>. Forward, backward with and without the training forward's saved layout, against
 the reference in fp32, for every routing family, at a token count one routing program holds and at one it does
 not, with expert biases on both projections; the gradients twice, for the same bits. Run under TRITON_INTERPRET=1
-in a subprocess, and on the GPU."""
+in a subprocess (the Triton engine, and the CUTLASS engine's glue), and on the GPU."""
 
 import pytest
 import torch
@@ -14,8 +14,9 @@ from tests.kernels.interpreted import run_compare
 pytest.importorskip("triton")
 
 _CASE = r"""
+import os
 import torch
-from mok_compile.kernels import moe
+from mok_compile.kernels import cutlass_gemm, moe
 from mok_compile.ops import reference
 from tests.kernels.cases import rel_err, small_layer
 
@@ -23,6 +24,14 @@ ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoi
 NAMES = ("dx", "drouter", None, "dw1", "db1", "dw2", "db2")
 
 def compare(device, seed, dtype=torch.float32):
+    res = one_engine(device, seed, dtype)
+    if device == "cpu":  # the CUTLASS engine's glue, PyTorch's CPU grouped_mm standing in (as interpret_runner does)
+        cutlass_gemm.eligible = lambda x, w1, w2, I, **_: x.shape[1] % 8 == 0 and I % 8 == 0
+        os.environ["MOK_GEMM_ENGINE"] = "cutlass"
+        res.update({"cutlass/" + k: v for k, v in one_engine(device, seed, dtype, routings=ROUTINGS[:1]).items()})
+    return res
+
+def one_engine(device, seed, dtype, routings=ROUTINGS):
     g = torch.Generator().manual_seed(seed)
     res = {}
     for T in (5, 70):  # 70: more tokens than one routing program holds at 12 choices (64), so scan and scatter run
@@ -32,7 +41,7 @@ def compare(device, seed, dtype=torch.float32):
         tensors = (x, router, None, None, w1, b1, w2, b2)
         go = torch.randn(T, H, generator=g).to(device, dtype)
         gw = torch.randn(T, K, generator=g).to(device, dtype)
-        for routing in ROUTINGS if T < 64 else ROUTINGS[:1]:
+        for routing in routings if T < 64 else routings[:1]:
             kw = dict(top_k=K, routing=routing, renormalize=routing not in ("topk_softmax", "softmax_topk"),
                       routed_scale=1.5, identity_experts=Z)
             out, w, ids = moe.fused_moe_forward(*tensors, **kw)
@@ -54,15 +63,17 @@ def compare(device, seed, dtype=torch.float32):
 """
 
 
-def _check(results, tol=2e-5):
-    assert len(results) == 6
+def _check(results, tol=2e-5, cases=6):
+    assert len(results) == cases
     for name, r in results.items():
         assert r.pop("ids_equal") and r.pop("both_kinds") and r.pop("same_bits"), name
         assert max(r.values()) < tol, (name, r)
 
 
 def test_identity_experts_interpreted():
-    _check(run_compare(_CASE, "cpu"))
+    """Also through the CUTLASS engine's glue (gathers, activation passes over every sorted row, the bias sums), with
+    PyTorch's CPU grouped_mm standing in for CUTLASS."""
+    _check(run_compare(_CASE, "cpu"), cases=8)
 
 
 @pytest.mark.gpu
