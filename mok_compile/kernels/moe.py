@@ -59,7 +59,7 @@ from .activation import activation_code
 from .dispatch import Dispatch, combine, grid_rows, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
 from .launch import cdiv, launcher
-from .routing import route, route_backward
+from .routing import route, route_backward, row_dots
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -541,10 +541,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         if kw["identity_experts"]:
             bias_term = bias_term.masked_fill(topk_ids >= E, 0.0)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
-    if kw["identity_experts"]:  # an identity pair added w * x[t]: its d(w) is <go[t], x[t]>
-        dot = (grad_out.float() * x.float()).sum(dim=-1, keepdim=True)
-        identity_term = torch.where(topk_ids >= E, dot, 0.0)
-        dw_extra = identity_term if dw_extra is None else dw_extra + identity_term
+    # An identity pair added w * x[t]: its d(w) is <grad_out[t], x[t]> (route_backward adds it).
+    identity_dot = row_dots(grad_out.contiguous(), x) if kw["identity_experts"] else None
     logits = saved_logits if saved_logits is not None else _logits(x, router, router_bias, kw)
     # d(logits) feeds the router's gradients in the router's own dtype (bf16 for most models, as HF's autograd
     # does it), so route_bwd stores it in that dtype, unless an fp32 sum (the router bias's gradient) or an fp32
@@ -555,7 +553,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                         None if dw_extra is None else dw_extra.contiguous(), routing=kw["routing"],
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"],
                         out_dtype=dl_dtype, renorm_min=kw["renorm_min"],
-                        expert_scale=None if expert_scale is None else expert_scale.contiguous(), num_experts=E)
+                        expert_scale=None if expert_scale is None else expert_scale.contiguous(), num_experts=E,
+                        identity_dot=identity_dot)
     d_scale = None
     if expert_scale is not None:  # each expert's pairs summed in sorted order: deterministic
         dl, dscale_sorted = dl

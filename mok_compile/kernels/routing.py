@@ -315,7 +315,7 @@ def _route_bwd_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
     expert_scale_ptr=None, dscale_sorted_ptr=None, EXPERT_SCALE: tl.constexpr = False, num_experts=0,
-    IDENTITY: tl.constexpr = False,
+    identity_dot_ptr=None, IDENTITY: tl.constexpr = False,
 ):
     """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
 
@@ -324,7 +324,7 @@ def _route_bwd_kernel(
     EXPERT_SCALE: the weights were w * s[ids]; each pair's d(weight) * w goes to `dscale_sorted` at its sorted
     position (the caller sums them per expert), and w's gradient is d(weight) * s[ids].
     IDENTITY: pairs whose id is num_experts or more (identity experts) ran no expert: their sorted positions hold
-    no partial sums (only `dw_extra`)."""
+    no partial sums; their d(weight) is their token's <grad_out, x> (`identity_dot_ptr` [T]), plus `dw_extra`."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -349,6 +349,9 @@ def _route_bwd_kernel(
     for _ in tl.range(0, n_parts, loop_unroll_factor=8):
         d += tl.load(part_ptrs, mask=pmask, other=0.0)
         part_ptrs += TK
+    if IDENTITY:
+        dot = tl.load(identity_dot_ptr + rows, mask=rmask, other=0.0)
+        d += tl.where(omask & (ids >= num_experts), dot[:, None], 0.0)
     if HAS_EXTRA:
         d += tl.load(dw_extra_ptr + pk, mask=omask, other=0.0)
 
@@ -405,13 +408,41 @@ def _route_bwd_kernel(
              mask=lmask)
 
 
+@triton.jit
+def _row_dot_kernel(a_ptr, b_ptr, out_ptr, T, H, stride_a, stride_b, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    acc = tl.zeros((BLOCK_T,), tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = rmask[:, None] & (cols < H)[None, :]
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_a + cols[None, :], mask=m, other=0.0)
+        b = tl.load(b_ptr + rows[:, None].to(tl.int64) * stride_b + cols[None, :], mask=m, other=0.0)
+        acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
+    tl.store(out_ptr + rows, acc, mask=rmask)
+
+
+def row_dots(a, b):
+    """[T] fp32: <a[t], b[t]> for [T, H] a and b (rows of unit stride), in a fixed order. One pass over both: what
+    `(a.float() * b.float()).sum(-1)` gives with four launches and two fp32 copies."""
+    T, H = a.shape
+    out = torch.empty((T,), dtype=torch.float32, device=a.device)
+    if T > 0:
+        block_t = 8
+        launcher(_row_dot_kernel)[(cdiv(T, block_t),)](a, b, out, T, H, a.stride(0), b.stride(0), BLOCK_T=block_t,
+                                                       BLOCK_H=min(512, next_power_of_2(H)), num_warps=4)
+    return out
+
+
 def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
-                   routed_scale, out_dtype=torch.float32, renorm_min=0.0, expert_scale=None, num_experts=None):
+                   routed_scale, out_dtype=torch.float32, renorm_min=0.0, expert_scale=None, num_experts=None,
+                   identity_dot=None):
     """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
     position. With `expert_scale`: (d(logits), [T*K] fp32 each pair's part of d(expert_scale) at its sorted
     position), which the caller sums per expert (`moe._backward`). `num_experts` (fewer than E, the logits'
-    width: identity experts): the pairs of ids from it on have no partial sums."""
+    width: identity experts): the pairs of ids from it on have no partial sums; `identity_dot` [T] fp32 is their
+    d(weight) (<grad_out, x> of their token, `row_dots`)."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = route_backward_block(E, T)
@@ -421,7 +452,7 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
         dscale_sorted = torch.empty((T * K,), dtype=torch.float32, device=logits.device)
         scaled = dict(expert_scale_ptr=expert_scale, dscale_sorted_ptr=dscale_sorted, EXPERT_SCALE=True)
     if num_experts is not None and num_experts < E:
-        scaled.update(num_experts=num_experts, IDENTITY=True)
+        scaled.update(num_experts=num_experts, identity_dot_ptr=identity_dot, IDENTITY=True)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_bwd_kernel)[(cdiv(T, block_t),)](
