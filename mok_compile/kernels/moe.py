@@ -337,7 +337,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
             return out
         layout = torch.zeros(layout_size(R, 0), dtype=torch.int32, device=x.device)
         return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, R, kw), layout)
-    rows_per_expert = T * K / E
+    rows_per_expert = T * K / R  # at even routing over the router's choices (identity experts run no rows)
     precision = _precision(x.dtype)
     col_mul, up_off = _gate_up_columns(I, kw)
     woi = kw.get("weight_on_input", False)
@@ -463,7 +463,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         disp = Dispatch.from_layout(routing_layout, E, K, T * K, num_buckets=R)
     else:
         disp = Dispatch.from_ids(topk_ids, E, num_buckets=R)
-    rows_per_expert = T * K / E
+    rows_per_expert = T * K / R  # at even routing over the router's choices (identity experts run no rows)
     precision = _precision(x.dtype)
     go = grad_out.to(x.dtype).contiguous()
     w_flat = topk_weights.reshape(-1).contiguous()
