@@ -39,8 +39,11 @@ ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
 NEWER_FAMILIES = ("deepseek_v4",)
 # LongCat-Flash: its router ranks its experts and half as many zero-computation experts again (the op's
 # `identity_experts`: a token sent to one passes through, weighted). Its own pass, backend and layer-benchmark
-# entries; its tiny models' MLA attention has a shape of its own.
+# entries; its tiny models' MLA attention has a shape of its own. Its experts take transformers' experts
+# implementations (grouped_mm) from 5.25 on; 5.17's loop over them calls `.item()` (no whole graph).
 IDENTITY_FAMILIES = ("longcat_flash",)
+# The first transformers whose form of a family the op and the pass cover, where it is not the oldest supported.
+_SINCE = {"longcat_flash": (5, 25)}
 # Families whose router and experts are separate modules of the decoder layer, with no MoE block class: whole models
 # only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
 LAYER_FAMILIES = ("gemma4",)
@@ -51,10 +54,14 @@ FP32_SELECTION_BIAS_FAMILIES = ("deepseek_v4",)
 
 
 def available(families) -> tuple:
-    """Those of `families` that this transformers has."""
+    """Those of `families` that this transformers has, in the form the op covers (`_SINCE`)."""
     import importlib.util
 
-    return tuple(f for f in families if importlib.util.find_spec(f"transformers.models.{f}") is not None)
+    import transformers
+
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    return tuple(f for f in families if importlib.util.find_spec(f"transformers.models.{f}") is not None
+                 and version >= _SINCE.get(f, (0, 0)))
 
 
 def _require_transformers():

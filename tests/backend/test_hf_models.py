@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from mok_compile.hf_blocks import available
+
 from .helpers import FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
 AOT = {"compiler": "aot_eager"}
@@ -116,7 +118,8 @@ def test_gemma4_trains_fused(dtype):
 def test_longcat_flash_trains_fused(dtype):
     """LongCat-Flash: half as many zero-computation experts as experts (a token sent to one passes through,
     weighted), the op's identity_experts. Every layer's MoE block fused; logits, loss and every gradient as eager's."""
-    pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash")
+    if not available(["longcat_flash"]):
+        pytest.skip("LongCat-Flash's experts take transformers' experts implementations from 5.25 on")
     model = tiny_model("longcat_flash", dtype)
     model.set_experts_implementation("grouped_mm")
     assert model.config.zero_expert_num == model.config.n_routed_experts // 2
