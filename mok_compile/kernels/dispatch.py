@@ -271,7 +271,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
             e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0)
             passed = e >= num_experts
             s += tl.where(passed, tl.load(iw_ptr + rows * K + k, mask=rmask & passed, other=0.0).to(tl.float32), 0.0)
-            vm = m & (~passed)[:, None]
+            vm = m & (e < num_experts)[:, None]
         else:
             vm = m
         v = tl.load(y_ptr + p[:, None] * stride_y + hcols[None, :], mask=vm, other=0.0).to(tl.float32)

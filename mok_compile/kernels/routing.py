@@ -343,7 +343,9 @@ def _route_bwd_kernel(
     pos = tl.load(pair_pos_ptr + pk, mask=omask, other=0)
     d = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     part_ptrs = dw_part_ptr + pos
-    pmask = omask & (ids < num_experts) if IDENTITY else omask
+    pmask = omask
+    if IDENTITY:
+        pmask = omask & (ids < num_experts)
     # Fixed order over the I-tiles. Unrolled, so that several loads are in flight at once (the adds stay in
     # order: the same bits); one at a time, Mixtral's 112 parts took 51 us at T=256 (NOTES v37).
     for _ in tl.range(0, n_parts, loop_unroll_factor=8):
