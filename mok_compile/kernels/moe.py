@@ -352,9 +352,8 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     elif gate_up_eng == "cutlass":
         h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
         act = activation_pass.activation_rows(h, disp, _bias_ids(ids, E, gate_up_bias, kw), gate_up_bias, I,
-                                              gated=kw["gated"],
-                                              interleaved=kw["interleaved"], act=act_code, col_mul=col_mul,
-                                              up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
+                                              gated=kw["gated"], interleaved=kw["interleaved"], act=act_code,
+                                              col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
     else:
         if save_gate_up:
             h = torch.empty((T * K, (2 if kw["gated"] else 1) * I), dtype=x.dtype, device=x.device)
@@ -494,8 +493,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
             h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
         dh, act_w, dw_parts = activation_pass.activation_bwd_rows(
             h, g2, w_flat, disp, _bias_ids(topk_ids, E, gate_up_bias, kw), gate_up_bias, I, gated=gated,
-            interleaved=kw["interleaved"],
-            act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"],
+            interleaved=kw["interleaved"], act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"],
+            limit=kw["limit"],
             h_is_saved=gate_up_out is not None and not overwrite_h)
         del h, g2
     else:
