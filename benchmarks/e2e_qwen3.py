@@ -28,6 +28,9 @@ graphs off (`mok_compile.kernels.graphs`, NOTES v49), in alternating rounds.
 on its own normalisation of the residual, weights times a learned per-expert scale: the op's `expert_scale`), at
 sizes chosen here: hidden 2816, 128 experts top-8 of intermediate 704, dense MLP 2112, 16 heads of 256 (8 KV),
 three sliding-window layers (1024) and a global one, vocabulary 262144 (tied).
+--model longcat (transformers >= 5.25) runs a LongCat-Flash model: each layer two MLA attention sublayers, two dense
+MLPs (4096) and one MoE block whose router ranks 64 experts (1024, top-12) and 32 zero-computation experts (the op's
+`identity_experts`), hidden 2048, 16 heads, vocabulary 131072.
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -46,12 +49,20 @@ import torch
 
 
 # The MoE layer's (H, I, E, K) of each --model.
-MOE_SIZES = {"qwen3": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8)}
+MOE_SIZES = {"qwen3": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8), "longcat": (2048, 1024, 64, 12)}
+# Router choices past the experts (identity experts, which compute nothing) of each --model that has them.
+IDENTITY_EXPERTS = {"longcat": 32}
 
 
 def _config(model, layers, seq):
     import transformers as tf
 
+    if model == "longcat":
+        return tf.LongcatFlashConfig(
+            hidden_size=2048, ffn_hidden_size=4096, expert_ffn_hidden_size=1024, n_routed_experts=64,
+            zero_expert_num=IDENTITY_EXPERTS[model], moe_topk=12, routed_scaling_factor=6.0, num_layers=layers,
+            num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64,
+            qk_rope_head_dim=32, head_dim=32, v_head_dim=64, vocab_size=131072, max_position_embeddings=max(seq, 4096))
     if model == "gemma4":
         return tf.Gemma4TextConfig(
             hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704, num_experts=128, top_k_experts=8,
@@ -119,6 +130,7 @@ def print_bound(results, layers, tokens, model="qwen3"):
 
     ceil = measure_ceilings()
     H, I, E, K = MOE_SIZES[model]
+    K = K * E / (E + IDENTITY_EXPERTS.get(model, 0))  # pairs that run an expert, at even routing
     flops = 3 * tokens * K * 3 * 2 * H * I
     weight_bytes = 3 * E * 3 * H * I * 2
     floor_ms = max(flops / ceil["matmul_tflops"] / 1e9, weight_bytes / ceil["copy_tbps"] / 1e9)
