@@ -3,7 +3,8 @@ kernels: the router ranks E + Z choices, the sort gives the identity pairs the l
 runs, and the combine adds each token's identity weight times x (forward) or times grad_out (backward); an identity
 pair's d(weight) is <grad_out, x>. Forward, backward with and without the training forward's saved layout, against
 the reference in fp32, for every routing family, at a token count one routing program holds and at one it does
-not, with expert biases on both projections; the gradients twice, for the same bits. Run under TRITON_INTERPRET=1
+not, with expert biases on both projections, and given ids naming identity experts; the gradients twice, for the
+same bits. Run under TRITON_INTERPRET=1
 in a subprocess (the Triton engine, and the CUTLASS engine's glue), and on the GPU."""
 
 import pytest
@@ -31,7 +32,7 @@ def compare(device, seed, dtype=torch.float32):
         res.update({"cutlass/" + k: v for k, v in one_engine(device, seed, dtype, routings=ROUTINGS[:1]).items()})
     return res
 
-def one_engine(device, seed, dtype, routings=ROUTINGS):
+def one_engine(device, seed, dtype, routings=ROUTINGS + ("given",)):
     g = torch.Generator().manual_seed(seed)
     res = {}
     for T in (5, 70):  # 70: more tokens than one routing program holds at 12 choices (64), so scan and scatter run
@@ -44,12 +45,17 @@ def one_engine(device, seed, dtype, routings=ROUTINGS):
         for routing in routings if T < 64 else routings[:1]:
             kw = dict(top_k=K, routing=routing, renormalize=routing not in ("topk_softmax", "softmax_topk"),
                       routed_scale=1.5, identity_experts=Z)
+            if routing == "given":  # given ids (hash routing) naming identity experts too, one row an expert twice
+                given = torch.randint(0, E + Z, (T, K), generator=g)
+                given[0] = torch.tensor([E, E, 1])
+                kw.update(routing="softmax_topk", expert_ids=given.to(device))
             out, w, ids = moe.fused_moe_forward(*tensors, **kw)
             r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
+            *_, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+            kw.pop("expert_ids", None)  # the backward reads the forward's ids
             grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             again = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)  # gw: in ids order
-            *_, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
             saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, router_logits=logits,
                                            routing_layout=layout, **kw)
             res[f"{T}/{routing}"] = dict(
@@ -63,7 +69,7 @@ def one_engine(device, seed, dtype, routings=ROUTINGS):
 """
 
 
-def _check(results, tol=2e-5, cases=6):
+def _check(results, tol=2e-5, cases=7):
     assert len(results) == cases
     for name, r in results.items():
         assert r.pop("ids_equal") and r.pop("both_kinds") and r.pop("same_bits"), name
@@ -73,7 +79,7 @@ def _check(results, tol=2e-5, cases=6):
 def test_identity_experts_interpreted():
     """Also through the CUTLASS engine's glue (gathers, activation passes over every sorted row, the bias sums), with
     PyTorch's CPU grouped_mm standing in for CUTLASS."""
-    _check(run_compare(_CASE, "cpu"), cases=8)
+    _check(run_compare(_CASE, "cpu"), cases=9)
 
 
 @pytest.mark.gpu

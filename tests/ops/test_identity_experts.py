@@ -127,6 +127,25 @@ def test_every_pair_an_identity_pair():
     torch.testing.assert_close(d_x, torch.autograd.grad(ref_out.sum(), args[0])[0], rtol=1e-10, atol=1e-12)
 
 
+def test_given_ids_may_name_identity_experts():
+    """Given expert ids (hash routing) that name identity experts too, a row naming one twice: as the dense oracle,
+    forward and gradients."""
+    case = IDENTITY_CASES[2]  # topk_softmax: no selection bias (given ids allow none)
+    args, kw = _args(case, requires_grad=True)
+    E, T = case.num_experts, args[0].shape[0]
+    ids = torch.tensor([[0, 5], [6, 6], [4, 1], [3, 2], [5, 4], [1, 1], [6, 0], [2, 3]])[:T]
+    kw = {**kw, "expert_ids": ids}
+    out, w, got_ids = fused_moe(*args, **kw)
+    assert torch.equal(got_ids, ids) and (ids >= E).any()
+    ref_out, _ = dense_oracle(args, kw)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    present = [args[i] for i in DIFFERENTIABLE if args[i] is not None]
+    probe = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad((out * probe).sum(), present),
+                    torch.autograd.grad((ref_out * probe).sum(), present), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
 def test_without_identity_choices_nothing_changes():
     """Identity choices that are never taken (their logits far below every expert's, so their probabilities are
     exactly 0) give the bits of the plain op on the experts' logits."""
