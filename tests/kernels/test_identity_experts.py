@@ -4,8 +4,8 @@ runs, and the combine adds each token's identity weight times x (forward) or tim
 pair's d(weight) is <grad_out, x>. Forward, backward with and without the training forward's saved layout, against
 the reference in fp32, for every routing family, at a token count one routing program holds and at one it does
 not, with expert biases on both projections, and given ids naming identity experts; the gradients twice, for the
-same bits. Run under TRITON_INTERPRET=1
-in a subprocess (the Triton engine, and the CUTLASS engine's glue), and on the GPU."""
+same bits. Run under TRITON_INTERPRET=1 in a subprocess (the Triton engine, and the CUTLASS engine's glue), and on
+the GPU."""
 
 import pytest
 import torch
