@@ -457,8 +457,15 @@ def test_longcat_flash_zero_computation_experts_fused(dtype):
     through, weighted, added to the experts' output): the op's identity_experts. One block fused, its output
     bitwise eager's (the op rounds the experts' sum and the identity term as LongCat does), the report says so."""
     block_cls, config = _longcat_block(4)
-    _, x, gm, example, routing, eager = _fused_block(block_cls, config, dtype)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(block_cls(config)).to(dtype).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    routing = report.blocks[0].routing
     assert (routing.identity_experts, routing.router_fp32, routing.routed_scale) == (4, dtype != torch.float32, 2.0)
+    assert "E=8" in describe_block(report.blocks[0]) and "identity_experts=4" in describe_block(report.blocks[0])
     assert torch.equal(_output(run(gm, example)), eager)
     (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
     assert op.kwargs["identity_experts"] == 4 and tensor_meta(op.args[4]).shape[0] == 8
