@@ -311,7 +311,6 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
     if m1 is m2:
         raise NoMatch("both expert weights feed the same matmul")
     identity = _identity_experts(gate_up, down, E, router)
-    E = E - identity
     for w in (gate_up, down):
         meta = tensor_meta(w)
         if meta.dtype != x_meta.dtype:
