@@ -237,9 +237,14 @@ class Dispatch:
         self.bucket_count = layout[:num_buckets]
         self.bucket_start = layout[b:b + num_buckets]
         self.bucket_end = layout[2 * b:2 * b + num_buckets]
-        self.expert_count = self.bucket_count[:num_experts]
-        self.expert_start = self.bucket_start[:num_experts]
-        self.expert_end = self.bucket_end[:num_experts]  # group offsets of grouped_mm
+        if num_buckets == num_experts:  # no identity experts: the same views (no slicing on the host path)
+            self.expert_count, self.expert_start = self.bucket_count, self.bucket_start
+            self.expert_end = self.bucket_end
+        else:
+            self.expert_count = self.bucket_count[:num_experts]
+            self.expert_start = self.bucket_start[:num_experts]
+            self.expert_end = self.bucket_end[:num_experts]
+        # expert_end: the group offsets of grouped_mm
         self.sorted_pair = layout[3 * b:3 * b + num_pairs]
         self.pair_pos = layout[3 * b + p:3 * b + p + num_pairs]
 
