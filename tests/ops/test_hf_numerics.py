@@ -4,8 +4,9 @@ Each HF block is rebuilt with its routed experts replaced by the op, the way the
 compiler pass will do it: shared experts (Qwen2-MoE's gated one, DeepSeek-V3's
 ungated one) stay HF modules added outside the op. Weights use std 0.2 (not HF's
 0.02) so router gradients are real signal, not 1e-7 noise; GPT-OSS's and DeepSeek-V4's
-gate_up use std 1 so both of their clamps are active. DeepSeek-V4 (transformers >= 5.25)
-is checked where transformers has it.
+gate_up use std 1 so both of their clamps are active. DeepSeek-V4 and LongCat-Flash (its
+zero-computation experts: the op's identity experts; transformers >= 5.25) are checked where
+transformers has them.
 
 Tolerances (what each test asserts):
 - fp32: output within 1e-5 relative (of the block's largest output), every gradient
@@ -27,7 +28,8 @@ pytest.importorskip("transformers")
 
 from mok_compile import hf_blocks  # noqa: E402
 
-FAMILIES = hf_blocks.FAMILIES + hf_blocks.available(hf_blocks.NEWER_FAMILIES)
+FAMILIES = (hf_blocks.FAMILIES + hf_blocks.available(hf_blocks.NEWER_FAMILIES)
+            + hf_blocks.available(hf_blocks.IDENTITY_FAMILIES))
 H = hf_blocks.BlockSizes().hidden
 T = 48
 
@@ -48,7 +50,7 @@ def _block(family, dtype=torch.float32, impl="grouped_mm"):
 
 
 def _router(family, block):
-    return block.router if family in ("gpt_oss", "granitemoe") else block.gate
+    return block.router if family in ("gpt_oss", "granitemoe", "longcat_flash") else block.gate
 
 
 def _hf(family, block, x):
