@@ -1,7 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
     python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4,
-                                              deepseek_v4,deepseek_v4_hash,longcat]
+                                              deepseek_v4,deepseek_v4_hash,longcat,inkling2]
         [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
@@ -70,6 +70,9 @@ SHAPES = {
     # LongCat-Flash's layer at a quarter of its experts (128 of 512, and 64 of its 256 zero-computation experts: the
     # op's identity experts), its hidden and expert sizes, top-12, fp32 router, routed scale 6.
     "longcat": ("longcat_flash", BlockSizes(hidden=6144, intermediate=2048, experts=128, top_k=12), {}, (256, 4096)),
+    # Inkling2 (transformers >= 5.25) at a third of its 384 experts: an fp32 sigmoid router with a selection bias, its
+    # softcapped SwiGLU (the op's softcapped_swiglu), fp32 routing weights.
+    "inkling2": ("inkling2", BlockSizes(hidden=4608, intermediate=2304, experts=128, top_k=8), {}, (256, 4096)),
 }
 
 

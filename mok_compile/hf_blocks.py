@@ -35,8 +35,8 @@ WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
 OTHER_FAMILIES = ("deepseek_v2",)
 ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
 # Families of transformers newer than the oldest supported (5.17), kept out of ALL_FAMILIES: DeepSeek-V4 (5.25),
-# whose learned-router layers (past its hash-routed ones) the op fuses.
-NEWER_FAMILIES = ("deepseek_v4",)
+# whose learned-router layers (past its hash-routed ones) the op fuses, and Inkling2 (5.25: its softcapped SwiGLU).
+NEWER_FAMILIES = ("deepseek_v4", "inkling2")
 # LongCat-Flash: its router ranks its experts and half as many zero-computation experts again (the op's
 # `identity_experts`: a token sent to one passes through, weighted). Its own pass, backend and layer-benchmark
 # entries; its tiny models' MLA attention has a shape of its own. Its experts take transformers' experts
@@ -48,7 +48,7 @@ _SINCE = {"longcat_flash": (5, 25)}
 # only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
 LAYER_FAMILIES = ("gemma4",)
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
-FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2")
+FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2")
 # Families whose selection bias alone HF keeps in fp32 in a bf16 model.
 FP32_SELECTION_BIAS_FAMILIES = ("deepseek_v4",)
 
@@ -124,6 +124,10 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
                                   + ["full_attention"] * (num_layers % 2),
                                   sliding_window=32, pad_token_id=0, **common)
+    elif family == "inkling2":
+        # An fp32 sigmoid router with a selection bias; its softcapped SwiGLU (caps 4 and 25).
+        cfg = tf.Inkling2TextConfig(intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=E,
+                                    num_local_experts=E, **common)
     elif family == "longcat_flash":
         # Half as many zero-computation experts as experts (LongCat-Flash: 512 and 256), its routed scale 6; each
         # layer holds two attention sublayers, two dense MLPs (ffn_hidden_size) and one MoE block.
@@ -181,6 +185,7 @@ def _block_class(family: str):
         "deepseek_v2": "DeepseekV2Moe",
         "deepseek_v4": "DeepseekV4SparseMoeBlock",
         "longcat_flash": "LongcatFlashMoE",
+        "inkling2": "Inkling2SparseMoeBlock",
     }
     return getattr(mod, names[family])
 
@@ -248,6 +253,15 @@ def routed_parts(family: str, block):
         spec = RoutingSpec(top_k=block.gate.top_k, routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True,
                            renorm_eps=1e-20, routed_scale=float(block.gate.routed_scaling_factor), weights_fp32=False)
         experts = ExpertSpec(activation="clamped_swiglu", limit=float(block.experts.limit))
+        return block.gate, block.experts, spec, experts
+    if family == "inkling2":
+        # Inkling2TopKRouter: fp32 sigmoid scores, a selection bias, the chosen scores renormalised (+1e-20) and
+        # scaled; fp32 weights. Inkling2SoftcappedSwiGLU: tanh(g / a) * a * sigmoid(g) * tanh(u / b) * b in fp32.
+        spec = RoutingSpec(top_k=K, routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True,
+                           renorm_eps=1e-20, routed_scale=float(block.gate.routed_scaling_factor))
+        act = block.experts.act_fn
+        experts = ExpertSpec(activation="softcapped_swiglu", alpha=float(act.gate_softcap.softcap),
+                             limit=float(act.up_softcap.softcap))
         return block.gate, block.experts, spec, experts
     if family == "longcat_flash":
         # LongcatFlashTopkRouter: fp32 logits and softmax over the experts and the zero-computation experts, a

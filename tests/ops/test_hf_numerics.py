@@ -199,6 +199,8 @@ def test_bf16_outputs_within_hf_spread(family, router_form):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_grads_as_accurate_as_hf(family):
     """In bf16 the op's gradients are no worse than HF's own bf16 autograd, judged against fp64."""
+    if family == "inkling2":
+        pytest.skip("Inkling2's router casts its input to fp32 and not its weight: its block has no fp64 run")
     grouped = _block(family, torch.bfloat16, "grouped_mm")
     truth_block = _set_experts_impl(copy.deepcopy(grouped).double(), "eager")  # grouped_mm has no fp64
     x, _ = _inputs(torch.bfloat16, tokens=64)
