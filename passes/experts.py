@@ -29,7 +29,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
-from .op_names import CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, tensor_meta
+from .op_names import CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, runtime_float_reason, tensor_meta
 from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
 
@@ -71,9 +71,7 @@ def _clamp_limit(between) -> float:
     DeepSeek-V4's (`_check_clamped_swiglu`)."""
     clamps = [n for n in between if op_name(n) == "clamp"]
     if any(isinstance(a, fx.Node) for c in clamps for a in (arg(c, 1, "min"), arg(c, 2, "max"))):
-        raise NoMatch("the clamp limit of the clamped SwiGLU is a runtime value (Dynamo traced the float "
-                      "attribute as an input, e.g. under dynamic=True); the op needs it as a constant: set "
-                      "torch._dynamo.config.specialize_float = True")
+        raise NoMatch(runtime_float_reason("the clamp limit of the clamped SwiGLU"))
     maxes = {arg(c, 2, "max") for c in clamps}
     mins = {arg(c, 1, "min") for c in clamps}
     if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:

@@ -104,6 +104,18 @@ def number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def is_runtime_float(value) -> bool:
+    """Whether `value` is a float the graph reads at run time: a node whose value is a SymFloat (Dynamo traces a
+    module's float attribute as a graph input where it does not specialise floats, as under dynamic=True)."""
+    return isinstance(value, fx.Node) and isinstance(meta_value(value), torch.SymFloat)
+
+
+def runtime_float_reason(what: str) -> str:
+    """The report's reason where `what`, a constant of the op, is a runtime value in the graph."""
+    return (f"{what} is a runtime value (Dynamo traced the float attribute as a graph input, e.g. under "
+            "dynamic=True); the op needs it as a constant: set torch._dynamo.config.specialize_float = True")
+
+
 def arg(node: fx.Node, index: int, name: str, default=None):
     """Argument `index` (positional) or `name` (keyword) of a call node."""
     if len(node.args) > index:

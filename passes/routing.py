@@ -38,7 +38,8 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
-from .op_names import CAST_OPS, VIEW_OPS, arg, number, op_name, tensor_meta
+from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name, runtime_float_reason,
+                       tensor_meta)
 from .region import NoMatch, Region, getitem_users, router_weight, shape_kept, strip, topk_k
 
 
@@ -255,6 +256,8 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
                 stage = 4
         elif name == "mul" and stage <= 3 and _per_expert(region, _other(u, w)):
             expert_scale, stage = _expert_scale(region, _other(u, w)), 4  # only casts may follow
+        elif name in ("mul", "div") and stage <= 3 and is_runtime_float(_other(u, w)):
+            raise NoMatch(runtime_float_reason(f"the routing weights' scale ({_other(u, w).name})"))
         else:
             break
         w = u

@@ -128,6 +128,26 @@ def test_model_dynamic_tokens_stay_symbolic(family):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
+def test_runtime_routed_scale_named_and_specialized():
+    """Under dynamic=True Dynamo traces DeepSeek-V3's float `routed_scaling_factor` as a graph input (a SymFloat);
+    the op takes the scale as a constant, so the block is left unfused with a reason that names the remedy, and with
+    that remedy (specialize_float) it fuses, its token count still symbolic."""
+    block = make_block("deepseek_v3")
+    x = torch.randn(2, 5, 64)
+    (graph,), eager = capture(block, x, dynamic=True)
+    report = fuse_moe(*graph)
+    assert [b.fused for b in report.blocks] == [False], str(report)
+    assert "scale" in report.blocks[0].reason and "specialize_float = True" in report.blocks[0].reason
+    with torch._dynamo.config.patch(specialize_float=True):
+        (graph,), eager = capture(block, x, dynamic=True)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and report.blocks[0].routing.routed_scale == 2.5, str(report)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert isinstance(op.meta["val"][0].shape[0], torch.SymInt)
+    torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[torch.float32])
+
+
 def _with_sizes(example, old, new):
     """Example inputs with the traced sizes of `old` replaced by those of `new` (SymInt placeholders)."""
     from mok_compile.passes.validate import concrete
