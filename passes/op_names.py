@@ -38,9 +38,29 @@ LAYOUT_OPS_NAMES = VIEW_OPS | CAST_OPS | {"getitem", "size", "sym_size", "getatt
 MATMUL_OPS = frozenset({"linear", "matmul", "mm", "bmm", "grouped_mm", "einsum", "addmm", "baddbmm"})
 
 
+# Reflected operator methods whose operands commute (a.__rmul__(b) is b * a); the others stay unknown names.
+_COMMUTING_REFLECTED = {"__radd__": "add", "__rmul__": "mul"}
+
+
+def _method_name(name: str) -> str:
+    """A tensor method's name as an op: Dynamo (torch 2.11) writes `ids == e` as the method `__eq__`, where torch
+    2.13 writes the function `operator.eq`. Reflected methods other than commuting ones (`__rsub__`: b - a) and
+    in-place ones (`__iadd__`) keep a name no pattern knows."""
+    if name in _COMMUTING_REFLECTED:
+        return _COMMUTING_REFLECTED[name]
+    if name.startswith("__") and name.endswith("__") and name[2:-2] not in _REFLECTED_OR_INPLACE:
+        return name[2:-2]
+    return name
+
+
+_BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
+           "rshift")
+_REFLECTED_OR_INPLACE = frozenset({f"{p}{op}" for op in _BINARY for p in ("r", "i")})
+
+
 def _raw_name(node: fx.Node) -> str | None:
     if node.op == "call_method":
-        return node.target
+        return _method_name(node.target)
     if node.op != "call_function":
         return None
     target = node.target

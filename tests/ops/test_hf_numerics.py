@@ -53,6 +53,16 @@ def _router(family, block):
     return block.router if family in ("gpt_oss", "granitemoe", "longcat_flash") else block.gate
 
 
+def _routing(family, block, x2):
+    """(logits, topk_weights, topk_ids) of the block's router, in whatever order it returns them (transformers
+    5.17's Granite-MoE router returns ids, weights, logits)."""
+    out = _router(family, block)(x2)
+    ids = next(t for t in out if not t.is_floating_point())
+    logits = next(t for t in out if t.is_floating_point() and t.shape[-1] != ids.shape[-1])  # [T, E] against [T, K]
+    weights = next(t for t in out if t.is_floating_point() and t is not logits)
+    return logits, weights, ids
+
+
 def _hf(family, block, x):
     """The HF block's outputs that a model uses: hidden states, and GPT-OSS's router scores."""
     out = block(x)
@@ -63,7 +73,7 @@ def _op_call(family, block, x2, router_is_logits=False):
     """`mok::fused_moe` on the block's router and routed experts -> (out, topk_weights, topk_ids)."""
     tensors, kw = hf_blocks.op_arguments(family, block)
     if router_is_logits:  # logits computed outside (e.g. kept for the aux loss) and passed in
-        logits = _router(family, block)(x2)[0]
+        logits = _routing(family, block, x2)[0]
         tensors = (logits, None) + tensors[2:]
         kw = {**kw, "router_is_logits": True}
     return torch.ops.mok.fused_moe(x2, *tensors, **kw)
@@ -87,7 +97,7 @@ def _check_routing(family, block, x, router_is_logits):
     fp32 weights (Mixtral, DeepSeek-V3, fp32 models) agree to 1e-6; bf16 ones to one bf16 rounding.
     """
     with torch.no_grad():
-        _, hf_w, hf_ids = _router(family, block)(x.view(-1, H))
+        _, hf_w, hf_ids = _routing(family, block, x.view(-1, H))
         _, op_w, op_ids = _op_call(family, block, x.view(-1, H), router_is_logits)
     hf_w, hf_ids = _sorted_routing(hf_w, hf_ids)
     op_w, op_ids = _sorted_routing(op_w, op_ids)
@@ -205,8 +215,8 @@ def test_bf16_grads_as_accurate_as_hf(family):
     truth_block = _set_experts_impl(copy.deepcopy(grouped).double(), "eager")  # grouped_mm has no fp64
     x, _ = _inputs(torch.bfloat16, tokens=64)
     with torch.no_grad():  # keep tokens whose routing does not flip between bf16 and fp64 rounding
-        ids16 = _router(family, grouped)(x[0])[2].sort(-1)[0]
-        ids64 = _router(family, truth_block)(x[0].double())[2].sort(-1)[0]
+        ids16 = _routing(family, grouped, x[0])[2].sort(-1)[0]
+        ids64 = _routing(family, truth_block, x[0].double())[2].sort(-1)[0]
     keep = (ids16 == ids64).all(-1)
     assert keep.sum() >= 48, f"only {keep.sum()} tokens route the same in bf16 and fp64"
     x = x[:, keep].contiguous()
