@@ -445,6 +445,10 @@ def _text_config(model_type):
 def test_more_hf_types_block_fused(model_type, module, block, want, kwargs):
     """One block of each: fused, its routing read off the graph, the output equal to the block's own."""
     modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    # transformers' `use_experts_implementation` wraps the experts' forward (its dispatch to grouped_mm)
+    if not any(name.endswith("Experts") and hasattr(getattr(cls, "forward", None), "__wrapped__")
+               for name, cls in vars(modeling).items()):
+        pytest.skip(f"{model_type}'s experts take no experts implementation (grouped_mm) in this transformers")
     block_cls = functools.partial(getattr(modeling, block), **kwargs)
     _, x, gm, example, routing, eager = _fused_block(block_cls, _text_config(model_type), torch.float32)
     assert (routing.routing, routing.renormalize) == want
