@@ -60,6 +60,36 @@ def test_dense_mask_loop():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+def _comparisons_as_methods(gm, method):
+    """The graph with each `ids == e` (torch 2.13's `operator.eq`) written as the tensor method `method`, as torch
+    2.11's Dynamo records `ids == e` (`__eq__`)."""
+    import operator
+
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is operator.eq:
+            with gm.graph.inserting_after(n):
+                m = gm.graph.call_method(method, n.args)
+            m.meta = dict(n.meta)
+            n.replace_all_uses_with(m)
+            gm.graph.erase_node(n)
+    gm.recompile()
+    return gm
+
+
+@pytest.mark.parametrize("method, fused", [("__eq__", True), ("__ne__", False)])
+def test_dense_mask_loop_with_comparison_methods(method, fused):
+    """The dense mask loop whose `ids == e` is the method `__eq__` (torch 2.11's Dynamo) fuses as with torch 2.13's
+    `operator.eq`; near miss: `ids.__ne__(e)` picks every other slot's weight: no MoE block, the graph untouched."""
+    (graph,), eager = capture(models.DenseMaskMoE().eval(), torch.randn(10, 32))
+    gm, example = graph
+    gm = _comparisons_as_methods(gm, method)
+    assert any(n.op == "call_method" and n.target == method for n in gm.graph.nodes)
+    before = run(gm, example)[0]
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == ([True] if fused else []) and count_fused(gm) == int(fused), str(report)
+    torch.testing.assert_close(run(gm, example)[0], eager if fused else before, **TOL)
+
+
 def test_dense_mask_loop_with_relu_experts_and_biases():
     torch.manual_seed(0)
     module = models.DenseMaskMoE(expert_cls=models.ReluExpert)
