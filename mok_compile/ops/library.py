@@ -194,7 +194,7 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if t is not None and t.device != x.device:
             _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
     if not 1 <= top_k <= R:
-        _fail(f"top_k={top_k} must be between 1 and the number of experts E={R}")
+        _fail(f"top_k={top_k} must be between 1 and the number of experts E={R}{_choices(E, Z)}")
     if kw.get("expert_ids") is not None:
         _check_expert_ids(kw["expert_ids"], x, top_k, selection_bias, n_group)
     if kw.get("expert_scale") is not None:
@@ -215,6 +215,9 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         ExpertSpec(activation=activation, gated=gated, interleaved=kw["interleaved"])
     except ValueError as err:
         _fail(str(err))
+    if activation == "softcapped_swiglu" and gated and not (kw["alpha"] > 0 and kw["limit"] > 0):
+        _fail(f"softcapped_swiglu divides by its caps: alpha (the gate's) and limit (up's) must be > 0, got "
+              f"{kw['alpha']} and {kw['limit']}")
     return T, H, E, I
 
 

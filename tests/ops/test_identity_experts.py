@@ -202,6 +202,7 @@ def test_identity_experts_in_the_export_decomposition(form):
     ({"identity_experts": -1}, "identity_experts must be >= 0"),
     ({"weight_on_input": True}, "identity_experts is not supported with weight_on_input"),
     ({"expert_scale": torch.ones(4, dtype=torch.float64)}, "expert_scale is not supported with identity_experts"),
+    ({"top_k": 8}, r"top_k=8 must be between 1 and the number of experts E=7 \(4 experts \+ 3 identity experts\)"),
 ])
 def test_bad_identity_experts_are_named(change, match):
     args, kw = _args(IDENTITY_CASES[2])

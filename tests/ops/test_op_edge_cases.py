@@ -292,6 +292,8 @@ def test_wrong_layout_flag_is_caught(transposed):
     (dict(routing="topk_sigmoid", n_group=2, topk_group=1),
      r"n_group=2 \(group-limited routing\) is only supported with routing in"),
     (dict(n_group=2, group_top=3), r"group_top must be 1 \(group max\) or 2 \(sum of the top 2\), got 3"),
+    (dict(activation="softcapped_swiglu", limit=0.0), r"softcapped_swiglu divides by its caps: alpha \(the gate's\) "
+                                                      r"and limit \(up's\) must be > 0, got 1.702 and 0.0"),
 ], ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_bad_scalar_names_the_argument(changes, match):
     args, kw = _bad()
