@@ -177,6 +177,9 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
         given["expert_scale"] = router.expert_scale
     chosen, failures = None, []
     if not validate:
+        if experts.identity_experts:
+            raise NoMatch(f"the router's {experts.identity_experts} outputs past the experts would be identity experts "
+                          "(LongCat-Flash's zero-computation experts), which only the probe proves; enable validate")
         if len(experts.specs) != 1:
             raise NoMatch(f"{len(experts.specs)} expert layouts fit the weight shapes; enable validate to choose")
         chosen = experts.specs[0]

@@ -495,6 +495,19 @@ def test_longcat_flash_zero_computation_experts_fused(dtype):
     assert op.kwargs["identity_experts"] == 4 and tensor_meta(op.args[4]).shape[0] == 8
 
 
+def test_longcat_flash_identity_experts_need_the_probe():
+    """validate=False (structure only) does not take router outputs past the experts as identity experts: the
+    structure does not show which ids they are or what they add; the block is left as it is, with that reason."""
+    block_cls, config = _longcat_block(4)
+    config._experts_implementation = "grouped_mm"
+    block = init_moe_weights_(block_cls(config)).eval()
+    (graph,), eager = capture(block, torch.randn(2, 5, 64))
+    gm, example = graph
+    report = fuse_moe(gm, example, validate=False)
+    assert [b.fused for b in report.blocks] == [False] and "only the probe proves" in report.blocks[0].reason
+    torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
+
+
 def _longcat_variant(identity_term):
     """LongcatFlashMoE whose zero-computation experts' pairs are zeroed for the experts as HF does it, and whose
     identity term is `identity_term(x, weights, mask)` (None: nothing added; MoE++'s zero experts, which output 0)."""
