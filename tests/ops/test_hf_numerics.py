@@ -156,6 +156,17 @@ def test_fp32_outputs_routing_and_grads(family, router_form):
         assert _rel(grads_op[name], g_hf) <= 1e-5, f"grad {name}: rel err {_rel(grads_op[name], g_hf):.2e}"
 
 
+def test_families_are_available_from_the_version_that_has_their_form(monkeypatch):
+    """LongCat-Flash counts as available from transformers 5.25 on (5.17's loops over its experts with `.item()`);
+    a family of the oldest supported version does at any."""
+    import transformers
+
+    for version, want in (("5.17.0", ()), ("5.25.0", ("longcat_flash",)), ("6.0.0.dev0", ("longcat_flash",))):
+        monkeypatch.setattr(transformers, "__version__", version)
+        assert hf_blocks.available(["longcat_flash"]) == want
+        assert hf_blocks.available(["mixtral"]) == ("mixtral",)
+
+
 def test_deepseek_v4_clamps_are_active():
     """Guards the clamp-gradient coverage above for DeepSeek-V4: routed pre-activations cross both limits."""
     if "deepseek_v4" not in FAMILIES:
