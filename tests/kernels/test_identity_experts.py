@@ -87,6 +87,50 @@ def test_identity_experts_gpu():
     _check(run_compare(_CASE, "cuda"))
 
 
+_COMBINE_CASE = r"""
+import torch
+from mok_compile.kernels.dispatch import combine
+
+def compare(device, seed):
+    g = torch.Generator().manual_seed(seed)
+    res = {}
+    for dtype, w_dtype in ((torch.float16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)):
+        T, K, H, E, Z = 9, 3, 40, 4, 2
+        y = torch.randn(T * K, H, generator=g).to(device, dtype)
+        x = torch.randn(T, H, generator=g).to(device, dtype)
+        w = torch.rand(T, K, generator=g).to(device, w_dtype)
+        ids = torch.randint(0, E + Z, (T, K), generator=g).to(device)
+        ids[0] = E  # a token all of whose pairs are identity pairs
+        ids[1] = torch.arange(K) % E  # one with none
+        y[torch.arange(T * K, device=device).view(T, K)[ids >= E]] = float("nan")  # identity rows: never read
+        pos = torch.arange(T * K, device=device).view(T, K)
+        out = combine(y, pos, w, None, T, K, dtype, topk_ids=ids, identity=(x, w, E, True))
+        kept = (ids < E).unsqueeze(-1)
+        # LongCat's rounding: the experts' weighted sum rounded, the identity term rounded, then added and rounded
+        product = y.view(T, K, H).float() * w.float().unsqueeze(-1)
+        if w_dtype == dtype:  # weights in the input dtype: each product rounded (as HF multiplies in that dtype)
+            product = product.to(dtype).float()
+        experts = torch.where(kept, product, 0.0).sum(dim=1).to(dtype)
+        s = w.masked_fill(ids < E, 0.0).sum(dim=-1, keepdim=True)
+        want = experts + (x * s).to(dtype)
+        res[f"{dtype}/{w_dtype}"] = bool(torch.equal(out, want))
+    return res
+"""
+
+
+def test_identity_combine_rounds_as_longcat_interpreted():
+    """The forward combine with identity pairs, bit for bit LongCat-Flash's rounding: the experts' weighted sum
+    rounded to the output dtype, the identity term x * (identity weights' sum) rounded, then added; identity pairs'
+    rows (NaN here) never read; in fp16 with fp32 and fp16 weights, and fp32."""
+    assert run_compare(_COMBINE_CASE, "cpu") == dict.fromkeys(
+        ["torch.float16/torch.float32", "torch.float16/torch.float16", "torch.float32/torch.float32"], True)
+
+
+@pytest.mark.gpu
+def test_identity_combine_rounds_as_longcat_gpu():
+    assert all(run_compare(_COMBINE_CASE, "cuda").values())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T, biases", [(1, False), (3, False), (300, False), (4096, False), (3, True), (4096, True)])
 def test_identity_experts_through_autograd_on_cuda(T, biases, monkeypatch):
