@@ -94,7 +94,8 @@ from mok_compile.kernels.dispatch import combine
 def compare(device, seed):
     g = torch.Generator().manual_seed(seed)
     res = {}
-    for dtype, w_dtype in ((torch.float16, torch.float32), (torch.float16, torch.float16), (torch.float32, torch.float32)):
+    for dtype, w_dtype in ((torch.float16, torch.float32), (torch.float16, torch.float16),
+                           (torch.float32, torch.float32)):
         T, K, H, E, Z = 9, 3, 40, 4, 2
         y = torch.randn(T * K, H, generator=g).to(device, dtype)
         x = torch.randn(T, H, generator=g).to(device, dtype)
