@@ -91,6 +91,7 @@ INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("llama4", 25, 48, 24, 16, 3, torch.float16),
     ("topk_sigmoid_renorm_bias", 23, 32, 16, 8, 3, torch.float16),
     ("lfm2", 19, 40, 24, 8, 2, torch.float16),
+    ("inkling2", 19, 40, 24, 8, 2, torch.float16),  # the softcapped SwiGLU's one rounding from fp32
 ]
 
 # The same through the CUTLASS engine (MOK_GEMM_ENGINE=cutlass; H and I multiples of 8): every
