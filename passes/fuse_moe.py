@@ -201,7 +201,11 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
                               f"experts), the probe disproves it: {failures[0]}")
             raise NoMatch(failures[0])
     report.experts = chosen
-    emit(gm, flow, region, plan, operands, {**_minimal_kwargs(routing, chosen), **given})
+    kwargs = {**_minimal_kwargs(routing, chosen), **given}
+    if router.scale_node is not None:  # read at run time: the op takes the node (see `routing._weight_chain`)
+        kwargs["routed_scale"] = router.scale_node
+        plan.keep |= flow.backward_slice([router.scale_node], stop=lambda n: n not in region.nodes) & region.nodes
+    emit(gm, flow, region, plan, operands, kwargs)
     report.fused, report.reason = True, ""
 
 

@@ -38,9 +38,10 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
-from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name, runtime_float_reason,
-                       tensor_meta)
+from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, meta_value, number, op_name,
+                       runtime_float_reason, tensor_meta)
 from .region import NoMatch, Region, getitem_users, router_weight, shape_kept, strip, topk_k
+from .validate import concrete
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class RouterMatch:
     selection_bias: fx.Node | Flat | None  # bias used only to choose experts
     weights: fx.Node                       # final routing weights [T, K] as the experts use them ([T, E] for D)
     expert_scale: fx.Node | None = None    # per-expert factor of the weights [E] (Gemma 4's per_expert_scale)
+    scale_node: fx.Node | None = None      # the routed scale where the graph reads it at run time (a SymFloat)
 
     def input_nodes(self) -> set[fx.Node]:
         """The graph inputs the router reads (weight, biases, expert scale)."""
@@ -169,10 +171,10 @@ def match_router(region: Region) -> RouterMatch:
         w = values[0]
     else:
         w = _gathered_scores(region, scores, routing)
-    spec, w, scale = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group,
-                                   topk_group=topk_group, group_top=group_top)
+    spec, w, scale, scale_node = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group,
+                                               topk_group=topk_group, group_top=group_top)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w,
-                       expert_scale=scale)
+                       expert_scale=scale, scale_node=scale_node)
 
 
 def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
@@ -183,8 +185,9 @@ def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, rout
     if selection_bias is not None or masked is not None:
         raise NoMatch("the router adds a selection bias or masks groups, but the expert ids are given")
     w = _gathered_scores(region, scores, routing)
-    spec, w, scale = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
-    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w, expert_scale=scale)
+    spec, w, scale, scale_node = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
+    return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w, expert_scale=scale,
+                       scale_node=scale_node)
 
 
 def _score_chain(region: Region):
@@ -224,10 +227,15 @@ def _score_chain(region: Region):
 
 
 def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32, **groups):
-    """(RoutingSpec, final weights node, expert scale node or None): the weight chain from the unnormalised weights
-    `w` walked, [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [per-expert scale] -> [cast], in this
-    order. `groups`: n_group, topk_group, group_top."""
-    stage, renormalize, eps, renorm_min, scale, expert_scale = 0, False, 0.0, 0.0, 1.0, None
+    """(RoutingSpec, final weights node, expert scale node or None, runtime scale node or None): the weight chain from
+    the unnormalised weights `w` walked, [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [per-expert
+    scale] -> [cast], in this order. `groups`: n_group, topk_group, group_top.
+
+    The scale may be one product with a float the graph reads at run time (a module's float attribute that Dynamo
+    traced as an input, as under dynamic=True): the spec then holds its traced value (for the probe) and the op
+    reads the node (`scale_node`). aot_autograd cannot turn a float argument of the op into a tensor, so it has
+    Dynamo specialise the float (with a guard) and trace again, and the pass then sees a constant."""
+    stage, renormalize, eps, renorm_min, scale, expert_scale, scale_node = 0, False, 0.0, 0.0, 1.0, None, None
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
@@ -245,9 +253,10 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
             routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
-        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3:
+        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3 and scale_node is None:
             scale, stage = scale * number(u.args[1]), 3
-        elif name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3:
+        elif (name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3
+              and scale_node is None):
             # w / c as w * (1 / c): exact for a power of two (OpenAI privacy filter's / top_k), else within an ulp
             # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
             scale, stage = scale / number(u.args[1]), 3
@@ -256,8 +265,11 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
                 stage = 4
         elif name == "mul" and stage <= 3 and _per_expert(region, _other(u, w)):
             expert_scale, stage = _expert_scale(region, _other(u, w)), 4  # only casts may follow
+        elif name == "mul" and stage <= 2 and scale == 1.0 and is_runtime_float(_other(u, w)):
+            scale_node, stage = _other(u, w), 3
+            scale = concrete(meta_value(scale_node))
         elif name in ("mul", "div") and stage <= 3 and is_runtime_float(_other(u, w)):
-            raise NoMatch(runtime_float_reason(f"the routing weights' scale ({_other(u, w).name})"))
+            raise NoMatch(runtime_float_reason(f"the routing weights' scale ({_other(u, w).name}, with another scale)"))
         else:
             break
         w = u
@@ -267,7 +279,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
                        weights_fp32=weights_fp32, **groups)
-    return spec, w, expert_scale
+    return spec, w, expert_scale, scale_node
 
 
 def _other(mul: fx.Node, w: fx.Node):

@@ -40,6 +40,8 @@ def concrete(v, subs=None):
     if isinstance(v, (list, tuple)):
         return type(v)(concrete(x, subs) for x in v) if not isinstance(v, torch.Size) else torch.Size(
             [concrete(x, subs) for x in v])
+    if isinstance(v, torch.SymFloat) and not subs and v.node.hint is not None:
+        return float(v.node.hint)  # the shape env's hint of a float symbol may be rounded to an integer
     if isinstance(v, (torch.SymInt, torch.SymBool, torch.SymFloat)):
         expr = v.node.expr
         if subs:

@@ -29,3 +29,23 @@ def test_no_extra_recompiles():
     assert mok_graphs == plain_graphs, (mok_graphs, plain_graphs)
     # every graph Dynamo produced had its MoE layers fused, the dynamic-shape ones included
     assert fused == NUM_LAYERS * mok_graphs
+
+
+def test_routed_scale_read_at_run_time_under_dynamic_true():
+    """torch.compile(dynamic=True) traces DeepSeek-V3's float `routed_scaling_factor` as a graph input: the block
+    fuses with the op reading it (aot_autograd then has Dynamo specialise it behind a guard). Outputs as eager's at
+    two token counts, and after the attribute changes (a guard fails: recompiled, fused again)."""
+    from mok_compile.hf_blocks import make_block
+
+    block = make_block("deepseek_v3")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(block, backend="mok", options={"compiler": "aot_eager"}, dynamic=True)
+    with torch.no_grad():
+        for tokens in (5, 9):
+            x = torch.randn(2, tokens, 64)
+            assert_close_rel(compiled(x), block(x), 1e-6, f"output at {tokens} tokens")
+        block.gate.routed_scaling_factor = 4.0
+        x = torch.randn(2, 7, 64)
+        assert_close_rel(compiled(x), block(x), 1e-6, "output after the scale changed")
+    assert counters["mok"]["fused_moe"] >= 2 and counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])

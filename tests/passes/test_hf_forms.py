@@ -128,24 +128,43 @@ def test_model_dynamic_tokens_stay_symbolic(family):
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
-def test_runtime_routed_scale_named_and_specialized():
-    """Under dynamic=True Dynamo traces DeepSeek-V3's float `routed_scaling_factor` as a graph input (a SymFloat);
-    the op takes the scale as a constant, so the block is left unfused with a reason that names the remedy, and with
-    that remedy (specialize_float) it fuses, its token count still symbolic."""
+def test_runtime_routed_scale_fused_as_a_node():
+    """Under dynamic=True Dynamo traces DeepSeek-V3's float `routed_scaling_factor` as a graph input (a SymFloat read
+    with `.item()`): fused, the op reading that node as its `routed_scale` (the report holds the traced value), its
+    token count symbolic, the graph's output as eager's."""
     block = make_block("deepseek_v3")
-    x = torch.randn(2, 5, 64)
-    (graph,), eager = capture(block, x, dynamic=True)
-    report = fuse_moe(*graph)
-    assert [b.fused for b in report.blocks] == [False], str(report)
-    assert "scale" in report.blocks[0].reason and "specialize_float = True" in report.blocks[0].reason
-    with torch._dynamo.config.patch(specialize_float=True):
-        (graph,), eager = capture(block, x, dynamic=True)
+    (graph,), eager = capture(block, torch.randn(2, 5, 64), dynamic=True)
     gm, example = graph
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [True] and report.blocks[0].routing.routed_scale == 2.5, str(report)
     (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert isinstance(op.kwargs["routed_scale"], torch.fx.Node)
     assert isinstance(op.meta["val"][0].shape[0], torch.SymInt)
     torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[torch.float32])
+
+
+class _TwoScales(torch.nn.Module):
+    """A near miss of the above: the weights scaled by a float attribute and then by a constant."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.factor = block, 1.5
+
+    def forward(self, x):
+        gate = self.block.gate
+        _, w, ids = gate(x.view(-1, x.shape[-1]))
+        w = (w / gate.routed_scaling_factor) * self.factor * 2.0  # a runtime float, then a constant
+        return self.block.experts(x.view(-1, x.shape[-1]), ids, w)
+
+
+def test_runtime_scale_with_another_scale_not_fused():
+    block = make_block("deepseek_v3")
+    (graph,), eager = capture(_TwoScales(block), torch.randn(2, 5, 64), dynamic=True)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
+    assert "specialize_float = True" in report.blocks[0].reason, report.blocks[0].reason
+    torch.testing.assert_close(_output(run(gm, example)), _output(eager), atol=0, rtol=0)
 
 
 def _with_sizes(example, old, new):
