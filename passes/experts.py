@@ -29,9 +29,11 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
-from .op_names import CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, number, op_name, runtime_float_reason, tensor_meta
+from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, meta_value, number, op_name,
+                       runtime_float_reason, tensor_meta)
 from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
+from .validate import concrete
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class ExpertsMatch:
     intermediate: int
     specs: list[ExpertSpec] = field(default_factory=list)  # candidates; validation keeps the first that matches
     identity_experts: int = 0  # router outputs past the experts' count (LongCat-Flash's zero-computation experts)
+    runtime: dict = field(default_factory=dict)  # op arguments the graph reads at run time: {"alpha" | "limit": node}
 
 
 def _is_interleave_slice(node: fx.Node) -> bool:
@@ -65,18 +68,35 @@ def _const(node: fx.Node):
     return next((number(a) for a in node.args[1:] if number(a) is not None), None)
 
 
-def _clamp_limit(between) -> float:
-    """L of a clamped SwiGLU's two clamps, ``g.clamp(max=L)`` and ``u.clamp(min=-L, max=L)``. Which clamp bounds which
-    is checked by the probe for GPT-OSS's (its limit 7 is within the probe's activations), by structure for
-    DeepSeek-V4's (`_check_clamped_swiglu`)."""
+def _clamp_limit(between) -> tuple[float, fx.Node | None]:
+    """(L, None) of a clamped SwiGLU's two clamps, ``g.clamp(max=L)`` and ``u.clamp(min=-L, max=L)``, or (its traced
+    value, L) where L is a float the graph reads at run time (a module attribute under dynamic=True; the op then
+    reads the node, as `routing._weight_chain` does the routed scale). Which clamp bounds which is checked by the
+    probe for GPT-OSS's (its limit 7 is within the probe's activations), by structure for DeepSeek-V4's
+    (`_check_clamped_swiglu`)."""
     clamps = [n for n in between if op_name(n) == "clamp"]
-    if any(isinstance(a, fx.Node) for c in clamps for a in (arg(c, 1, "min"), arg(c, 2, "max"))):
-        raise NoMatch(runtime_float_reason("the clamp limit of the clamped SwiGLU"))
-    maxes = {arg(c, 2, "max") for c in clamps}
-    mins = {arg(c, 1, "min") for c in clamps}
+    bounds = [_float_or_node(arg(c, i, name)) for c in clamps for i, name in ((1, "min"), (2, "max"))]
+    if any(isinstance(a, fx.Node) for a in bounds):
+        maxes = {arg(c, 2, "max") for c in clamps}
+        neg = {arg(c, 1, "min") for c in clamps} - {None}
+        limit = next(iter(maxes)) if len(maxes) == 1 else None
+        if not (is_runtime_float(limit) and len(neg) == 1 and op_name(next(iter(neg))) == "neg"
+                and next(iter(neg)).args[0] is limit):
+            raise NoMatch(runtime_float_reason("the clamp limit of the clamped SwiGLU"))
+        return concrete(meta_value(limit)), limit
+    maxes = {_float_or_node(arg(c, 2, "max")) for c in clamps}
+    mins = {_float_or_node(arg(c, 1, "min")) for c in clamps}
     if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
         raise NoMatch("clamped SwiGLU has unexpected clamp limits")
-    return float(next(iter(maxes)))
+    return float(next(iter(maxes))), None
+
+
+def _float_or_node(a):
+    """A clamp bound as a number where it is one, or the negation of one as a graph node (after Dynamo has
+    specialised a traced float, `-limit` stays a node `neg(7.0)`); else `a` itself (None, or a node)."""
+    if isinstance(a, fx.Node) and op_name(a) == "neg" and len(a.args) == 1 and number(a.args[0]) is not None:
+        return -number(a.args[0])
+    return a
 
 
 def _softcaps(between) -> tuple[float, float]:
@@ -113,7 +133,9 @@ def _check_clamped_swiglu(between):
 
 
 def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last: fx.Node, bias_side: set[fx.Node]):
-    """(gated, interleaved, activation, alpha, limit) of the ops between the up and down projections."""
+    """(gated, interleaved, activation, alpha, limit, the ops between, runtime) of the ops between the up and down
+    projections; `runtime`: {"alpha" | "limit": node} for those the graph reads at run time (their traced values
+    are in alpha, limit)."""
     fwd = flow.forward_slice(first, within=region_nodes)
     bias_side = bias_side - fwd  # the indexed bias itself, not what the projection makes of it
     bwd = flow.backward_slice([last], stop=lambda n: n not in region_nodes or n in first)
@@ -137,7 +159,7 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         else:
             kinds[name] += 1
     gated = interleaved or chunked or len(first) == 2
-    alpha, limit = 1.702, 7.0
+    alpha, limit, runtime = 1.702, 7.0, {}
     kinds = +kinds
     if gated:
         if kinds == Counter(silu=1, mul=1):
@@ -145,14 +167,19 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         elif kinds == Counter(gelu_tanh=1, mul=1):
             act = "gelu_tanh"
         elif kinds == Counter(clamp=2, mul=3, sigmoid=1, add=1):
-            act, limit = "clamped_silu", _clamp_limit(between)
-            scales = [_const(n) for n in between if op_name(n) == "mul" and _const(n) is not None]
+            act = "clamped_silu"
+            limit, runtime["limit"] = _clamp_limit(between)
+            muls = [n for n in between if op_name(n) == "mul"]
+            scales = [_const(n) for n in muls if _const(n) is not None]
+            read = [a for n in muls for a in n.args if is_runtime_float(a)]  # alpha, read at run time
             adds = [_const(n) for n in between if op_name(n) == "add" and _const(n) is not None]
-            if len(scales) != 1 or adds != [1.0]:
+            if len(scales) + len(read) != 1 or adds != [1.0]:
                 raise NoMatch("clamped SwiGLU has unexpected constants")
-            alpha = scales[0]
+            alpha = scales[0] if scales else concrete(meta_value(read[0]))
+            runtime["alpha"] = read[0] if read else None
         elif kinds == Counter(clamp=2, silu=1, mul=1):  # DeepSeek-V4: silu(g.clamp(max=L)) * u.clamp(-L, L)
-            act, limit = "clamped_swiglu", _clamp_limit(between)
+            act = "clamped_swiglu"
+            limit, runtime["limit"] = _clamp_limit(between)
             _check_clamped_swiglu(between)
         elif kinds == Counter(div=2, tanh=2, mul=4, sigmoid=1):  # Inkling2: cap(g) * sigmoid(g) * cap(u)
             act = "softcapped_swiglu"
@@ -166,7 +193,7 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         if key not in table:
             raise NoMatch(f"expert activation {dict(kinds)} is not supported")
         act = table[key]
-    return gated, interleaved, act, alpha, limit, between
+    return gated, interleaved, act, alpha, limit, between, {k: v for k, v in runtime.items() if v is not None}
 
 
 def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],
@@ -324,7 +351,8 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
     if len(bias_role) != len(biases2d):
         raise NoMatch("two expert biases play the same role")
     bias_side = flow.forward_slice([bias_role["gate_up"]], within=region.nodes) if "gate_up" in bias_role else set()
-    gated, interleaved, act, alpha, limit, between = activation_between(flow, region.nodes, [m1], m2, bias_side)
+    gated, interleaved, act, alpha, limit, between, runtime = activation_between(flow, region.nodes, [m1], m2,
+                                                                                bias_side)
 
     A, B = tensor_meta(gate_up).shape[1:]
     C, D = tensor_meta(down).shape[1:]
@@ -351,7 +379,7 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
              for t, _ in layouts]
     return ExpertsMatch(form=form, gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
                         down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs,
-                        identity_experts=identity)
+                        identity_experts=identity, runtime=runtime)
 
 
 def _identity_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -> int:

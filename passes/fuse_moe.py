@@ -202,9 +202,11 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
             raise NoMatch(failures[0])
     report.experts = chosen
     kwargs = {**_minimal_kwargs(routing, chosen), **given}
-    if router.scale_node is not None:  # read at run time: the op takes the node (see `routing._weight_chain`)
-        kwargs["routed_scale"] = router.scale_node
-        plan.keep |= flow.backward_slice([router.scale_node], stop=lambda n: n not in region.nodes) & region.nodes
+    # Floats the graph reads at run time (under dynamic=True): the op takes the nodes (`routing._weight_chain`).
+    runtime = {**router.runtime, **experts.runtime}
+    for name, node in runtime.items():
+        kwargs[name] = node
+        plan.keep |= flow.backward_slice([node], stop=lambda n: n not in region.nodes) & region.nodes
     emit(gm, flow, region, plan, operands, kwargs)
     report.fused, report.reason = True, ""
 

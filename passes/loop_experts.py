@@ -29,7 +29,7 @@ from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
 from .experts import ExpertsMatch, Stack, activation_between, check_weight_application
-from .op_names import CAST_OPS, arg, op_name, tensor_meta
+from .op_names import CAST_OPS, arg, op_name, runtime_float_reason, tensor_meta
 from .region import NoMatch, Region, same, strip
 from .routing import RouterMatch
 
@@ -78,7 +78,10 @@ def match_loop_experts(flow: Dataflow, region: Region, router: RouterMatch, tens
         ups = [m for m in lins if m is not down and down in slices[m]]
         if len(ups) not in (1, 2):
             raise NoMatch(f"expert MLP ending in {down.name} has {len(ups)} input projections")
-        gated, interleaved, act, alpha, limit, between = activation_between(flow, region.nodes, ups, down, set())
+        gated, interleaved, act, alpha, limit, between, runtime = activation_between(flow, region.nodes, ups, down,
+                                                                                    set())
+        if runtime:
+            raise NoMatch(runtime_float_reason(f"the activation's {', '.join(runtime)} in a loop over expert modules"))
         if interleaved:
             raise NoMatch("interleaved gate/up in per-expert modules is not supported")
         if len(ups) == 2:

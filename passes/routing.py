@@ -31,7 +31,7 @@ is reported, not guessed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -59,7 +59,8 @@ class RouterMatch:
     selection_bias: fx.Node | Flat | None  # bias used only to choose experts
     weights: fx.Node                       # final routing weights [T, K] as the experts use them ([T, E] for D)
     expert_scale: fx.Node | None = None    # per-expert factor of the weights [E] (Gemma 4's per_expert_scale)
-    scale_node: fx.Node | None = None      # the routed scale where the graph reads it at run time (a SymFloat)
+    runtime: dict = field(default_factory=dict)  # op arguments the graph reads at run time (SymFloat nodes):
+                                                 # {"routed_scale" | "renorm_min": node}
 
     def input_nodes(self) -> set[fx.Node]:
         """The graph inputs the router reads (weight, biases, expert scale)."""
@@ -171,10 +172,10 @@ def match_router(region: Region) -> RouterMatch:
         w = values[0]
     else:
         w = _gathered_scores(region, scores, routing)
-    spec, w, scale, scale_node = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group,
-                                               topk_group=topk_group, group_top=group_top)
+    spec, w, scale, runtime = _weight_chain(region, w, routing, softmax_fp32, router_fp32, n_group=n_group,
+                                            topk_group=topk_group, group_top=group_top)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=selection_bias, weights=w,
-                       expert_scale=scale, scale_node=scale_node)
+                       expert_scale=scale, runtime=runtime)
 
 
 def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
@@ -185,9 +186,9 @@ def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, rout
     if selection_bias is not None or masked is not None:
         raise NoMatch("the router adds a selection bias or masks groups, but the expert ids are given")
     w = _gathered_scores(region, scores, routing)
-    spec, w, scale, scale_node = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
+    spec, w, scale, runtime = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w, expert_scale=scale,
-                       scale_node=scale_node)
+                       runtime=runtime)
 
 
 def _score_chain(region: Region):
@@ -227,20 +228,23 @@ def _score_chain(region: Region):
 
 
 def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32, **groups):
-    """(RoutingSpec, final weights node, expert scale node or None, runtime scale node or None): the weight chain from
-    the unnormalised weights `w` walked, [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [per-expert
-    scale] -> [cast], in this order. `groups`: n_group, topk_group, group_top.
+    """(RoutingSpec, final weights node, expert scale node or None, runtime): the weight chain from the unnormalised
+    weights `w` walked, [softmax (B) | sigmoid (D)] -> [renormalise] -> [scale] -> [per-expert scale] -> [cast], in
+    this order. `groups`: n_group, topk_group, group_top.
 
     The scale may be one product with a float the graph reads at run time (a module's float attribute that Dynamo
-    traced as an input, as under dynamic=True): the spec then holds its traced value (for the probe) and the op
-    reads the node (`scale_node`). aot_autograd cannot turn a float argument of the op into a tensor, so it has
-    Dynamo specialise the float (with a guard) and trace again, and the pass then sees a constant."""
-    stage, renormalize, eps, renorm_min, scale, expert_scale, scale_node = 0, False, 0.0, 0.0, 1.0, None, None
+    traced as an input, as under dynamic=True), and so may the renormalisation's clamp minimum: the spec then holds
+    the traced value (for the probe) and the op reads the node (`runtime`: {op argument: node}). aot_autograd
+    cannot turn a float argument of the op into a tensor, so it has Dynamo specialise the float (with a guard) and
+    trace again, and the pass then sees a constant."""
+    stage, renormalize, eps, renorm_min, scale, expert_scale, runtime = 0, False, 0.0, 0.0, 1.0, None, {}
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
         if sums and len(users) == 2 and stage <= 1:
-            w, eps, renorm_min = _renormalised(region, w, sums[0])
+            w, eps, renorm_min, min_node = _renormalised(region, w, sums[0])
+            if min_node is not None:
+                runtime["renorm_min"] = min_node
             renormalize, stage = True, 2
             continue
         u = _single_user(w, region)
@@ -253,10 +257,11 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
             routing, softmax_fp32, stage = "topk_sigmoid", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
-        elif name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3 and scale_node is None:
+        elif (name == "mul" and u.args[0] is w and number(u.args[1]) is not None and stage <= 3
+              and "routed_scale" not in runtime):
             scale, stage = scale * number(u.args[1]), 3
         elif (name == "div" and u.args[0] is w and number(u.args[1]) not in (None, 0.0) and stage <= 3
-              and scale_node is None):
+              and "routed_scale" not in runtime):
             # w / c as w * (1 / c): exact for a power of two (OpenAI privacy filter's / top_k), else within an ulp
             # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
             scale, stage = scale / number(u.args[1]), 3
@@ -266,8 +271,8 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         elif name == "mul" and stage <= 3 and _per_expert(region, _other(u, w)):
             expert_scale, stage = _expert_scale(region, _other(u, w)), 4  # only casts may follow
         elif name == "mul" and stage <= 2 and scale == 1.0 and is_runtime_float(_other(u, w)):
-            scale_node, stage = _other(u, w), 3
-            scale = concrete(meta_value(scale_node))
+            runtime["routed_scale"], stage = _other(u, w), 3
+            scale = concrete(meta_value(runtime["routed_scale"]))
         elif name in ("mul", "div") and stage <= 3 and is_runtime_float(_other(u, w)):
             raise NoMatch(runtime_float_reason(f"the routing weights' scale ({_other(u, w).name}, with another scale)"))
         else:
@@ -279,7 +284,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
                        weights_fp32=weights_fp32, **groups)
-    return spec, w, expert_scale, scale_node
+    return spec, w, expert_scale, runtime
 
 
 def _other(mul: fx.Node, w: fx.Node):
@@ -368,14 +373,18 @@ def _gathered_scores(region: Region, scores: fx.Node, routing: str | None) -> fx
     return gathers[0]
 
 
-def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, float, float]:
-    """(w / denominator node, eps, min) for ``w / ([clamp(]sum(w)[, min=m)] [+ eps])``, `total` the sum node."""
+def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, float, float, fx.Node | None]:
+    """(w / denominator node, eps, min, min node) for ``w / ([clamp(]sum(w)[, min=m)] [+ eps])``, `total` the sum
+    node; the min node where m is a float the graph reads at run time (its traced value is min), else None."""
     if not _is_last_dim(arg(total, 1, "dim"), 2) or not arg(total, 2, "keepdim", False):
         raise NoMatch("routing weights are normalised over an unexpected dimension")
-    denom, eps, renorm_min = total, 0.0, 0.0
+    denom, eps, renorm_min, min_node = total, 0.0, 0.0, None
     nxt = _single_user(denom, region)
     if nxt is not None and op_name(nxt) in ("clamp", "clamp_min") and nxt.args[0] is denom:
         low = number(arg(nxt, 1, "min"))
+        if is_runtime_float(arg(nxt, 1, "min")):
+            min_node = arg(nxt, 1, "min")
+            low = concrete(meta_value(min_node))
         if op_name(nxt) == "clamp" and arg(nxt, 2, "max") is not None or low is None or not 0.0 <= low < math.inf:
             raise NoMatch("routing weights are renormalised by a clamped sum other than clamp(sum, min=m), m >= 0")
         renorm_min, denom = low, nxt
@@ -385,7 +394,7 @@ def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, 
     div = _single_user(denom, region)
     if div is None or op_name(div) != "div" or div.args[0] is not w or div.args[1] is not denom:
         raise NoMatch("routing weights are renormalised in an unsupported way (only w / (clamp(sum, min) + eps))")
-    return div, eps, renorm_min
+    return div, eps, renorm_min, min_node
 
 
 def _dense_sigmoid_scores(region: Region) -> tuple[fx.Node, bool] | None:

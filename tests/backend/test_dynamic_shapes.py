@@ -1,5 +1,6 @@
 """Varying batch and sequence length: `mok` recompiles no more often than its inner compiler alone."""
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -31,21 +32,41 @@ def test_no_extra_recompiles():
     assert fused == NUM_LAYERS * mok_graphs
 
 
-def test_routed_scale_read_at_run_time_under_dynamic_true():
-    """torch.compile(dynamic=True) traces DeepSeek-V3's float `routed_scaling_factor` as a graph input: the block
-    fuses with the op reading it (aot_autograd then has Dynamo specialise it behind a guard). Outputs as eager's at
-    two token counts, and after the attribute changes (a guard fails: recompiled, fused again)."""
-    from mok_compile.hf_blocks import make_block
+def _set(attr: str, value: float):
+    def setter(block):
+        owner, _, name = attr.rpartition(".")
+        setattr(block.get_submodule(owner), name, value)
+    return setter
 
-    block = make_block("deepseek_v3")
+
+@pytest.mark.parametrize("family, change", [
+    ("deepseek_v3", _set("gate.routed_scaling_factor", 4.0)),  # the routed scale
+    ("gpt_oss", _set("experts.limit", 0.5)),                    # the clamped SwiGLU's limit (its alpha is read too)
+    ("ernie4_5_moe", _set("gate.norm_min", 0.6)),               # the renormalisation's clamp minimum
+    ("deepseek_v4", _set("experts.limit", 0.5)),                # transformers >= 5.25
+])
+def test_float_attributes_read_at_run_time_under_dynamic_true(family, change):
+    """torch.compile(dynamic=True) traces a module's float attributes as graph inputs (DeepSeek-V3's routed scale,
+    GPT-OSS's and DeepSeek-V4's clamp limit and alpha, Ernie 4.5's clamp minimum): the block fuses with the op
+    reading them (aot_autograd then has Dynamo specialise them behind guards). Outputs as eager's at two token
+    counts, and after an attribute changes (a guard fails: recompiled, fused again)."""
+    from mok_compile import hf_blocks
+
+    if not hf_blocks.available([family]):
+        pytest.skip(f"{family} needs a newer transformers")
+    block = hf_blocks.make_block(family)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(block, backend="mok", options={"compiler": "aot_eager"}, dynamic=True)
     with torch.no_grad():
         for tokens in (5, 9):
             x = torch.randn(2, tokens, 64)
-            assert_close_rel(compiled(x), block(x), 1e-6, f"output at {tokens} tokens")
-        block.gate.routed_scaling_factor = 4.0
+            assert_close_rel(_first(compiled(x)), _first(block(x)), 1e-6, f"output at {tokens} tokens")
+        change(block)
         x = torch.randn(2, 7, 64)
-        assert_close_rel(compiled(x), block(x), 1e-6, "output after the scale changed")
+        assert_close_rel(_first(compiled(x)), _first(block(x)), 1e-6, "output after the attribute changed")
     assert counters["mok"]["fused_moe"] >= 2 and counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out

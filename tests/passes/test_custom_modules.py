@@ -61,12 +61,12 @@ def test_dense_mask_loop():
 
 
 def _comparisons_as_methods(gm, method):
-    """The graph with each `ids == e` (torch 2.13's `operator.eq`) written as the tensor method `method`, as torch
-    2.11's Dynamo records `ids == e` (`__eq__`)."""
+    """The graph with each `ids == e` (torch 2.13's `operator.eq`, torch 2.11's method `__eq__`) written as the tensor
+    method `method`."""
     import operator
 
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target is operator.eq:
+        if (n.op == "call_function" and n.target is operator.eq) or (n.op == "call_method" and n.target == "__eq__"):
             with gm.graph.inserting_after(n):
                 m = gm.graph.call_method(method, n.args)
             m.meta = dict(n.meta)
