@@ -52,7 +52,7 @@ import os
 import torch
 
 from ..ops import reference
-from ..ops.library import check_inputs
+from ..ops.library import check_inputs, routing_width
 from ..ops.spec import with_defaults
 from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, graphs, plan, router_gemm, wgrad_sm90
 from .activation import activation_code
@@ -318,7 +318,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
-    R = E + kw["identity_experts"]  # the router's choices
+    R = routing_width(gate_up_proj, kw)  # the router's choices: the experts, then any identity experts
     K = kw["top_k"]
     weights_dtype = torch.float32 if kw["weights_fp32"] else x.dtype
     logits = _logits(x, router, router_bias, kw)
@@ -445,7 +445,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
-    R = E + kw["identity_experts"]  # the router's choices
+    R = routing_width(gate_up_proj, kw)  # the router's choices: the experts, then any identity experts
     K = topk_ids.shape[1]
     transposed, gated, woi = kw["transposed"], kw["gated"], kw.get("weight_on_input", False)
     zeros_like = torch.zeros_like
@@ -592,7 +592,7 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
     work[4] = work[6] = work[7] = None
     E, I = _sizes(gate_up_proj, down_proj, kw)
     if disp is None:
-        disp = Dispatch.from_layout(layout, E, top_k, w_flat.shape[0], num_buckets=E + kw["identity_experts"])
+        disp = Dispatch.from_layout(layout, E, top_k, w_flat.shape[0], num_buckets=routing_width(gate_up_proj, kw))
     H = x.shape[1]
     transposed, woi = kw["transposed"], kw.get("weight_on_input", False)
     up_out = 2 if kw["gated"] else 1
