@@ -73,6 +73,7 @@ struct MoeOptions {
   double renorm_min;
   int64_t group_top;
   int64_t identity_experts;  // router choices past the experts: their pairs pass the token through, weighted
+  double jitter_eps;         // the sparsemixer's mask threshold is 2 * jitter_eps
 };
 
 Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
@@ -128,13 +129,64 @@ Tensor expert_scale_at(const Tensor& expert_scale, const Tensor& ids, at::Scalar
   return expert_scale.to(dtype).index_select(0, ids.reshape({-1})).view(ids.sizes());
 }
 
+// The scores one sparsemixer round drops: (top - s) / max(|s|, top) > 2 * jitter_eps, each op in the scores' dtype
+// (reference.sparsemixer_drop).
+Tensor sparsemixer_drop(const Tensor& scores, const Tensor& top, double jitter_eps) {
+  return ((top - scores) / scores.abs().clamp_min(top)).gt(2 * jitter_eps);
+}
+
+// PhiMoE's sparsemixer at inference, op for op (reference.sparsemixer): round r picks the largest score left, its
+// weight is the softmax of the scores left that the round keeps, at the pick; the pick is then removed.
+std::tuple<Tensor, Tensor> sparsemixer(const Tensor& scores, int64_t top_k, double jitter_eps) {
+  Tensor left = scores;
+  std::vector<Tensor> weights, ids;
+  for (int64_t k = 0; k < top_k; ++k) {
+    auto [top, idx] = left.max(-1, /*keepdim=*/true);
+    Tensor gates = at::softmax(left.masked_fill(sparsemixer_drop(scores, top, jitter_eps), -INFINITY), -1);
+    weights.push_back(gates.gather(-1, idx));
+    ids.push_back(idx);
+    left = left.scatter(-1, idx, -INFINITY);
+  }
+  return {at::cat(weights, -1), at::cat(ids, -1)};
+}
+
+// Round k's softmax [T, K, E] of the sparsemixer at the forward's picks, on `l` (the logits in the backward's
+// dtype), over the experts the forward kept: the masks come from `scores` in the forward's dtype
+// (reference.sparsemixer_gates).
+Tensor sparsemixer_gates(const Tensor& scores, const Tensor& l, const Tensor& ids, double jitter_eps) {
+  Tensor left = l;
+  std::vector<Tensor> gates;
+  for (int64_t k = 0; k < ids.size(1); ++k) {
+    Tensor idx = ids.slice(1, k, k + 1);
+    gates.push_back(at::softmax(left.masked_fill(sparsemixer_drop(scores, scores.gather(1, idx), jitter_eps),
+                                                 -INFINITY), -1));
+    left = left.scatter(1, idx, -INFINITY);
+  }
+  return at::stack(gates, 1);
+}
+
+// The steps every routing ends with: renormalise, scale, the per-expert scale, the cast
+// (reference._finish_weights).
+std::tuple<Tensor, Tensor> finish_weights(Tensor w, const Tensor& ids, const OptTensor& expert_scale,
+                                          at::ScalarType x_dtype, const MoeOptions& o) {
+  w = renorm_and_scale(w, o);
+  if (expert_scale.has_value()) {
+    w = w * expert_scale_at(*expert_scale, ids, at::promote_types(w.scalar_type(), expert_scale->scalar_type()));
+  }
+  return {w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype), ids};
+}
+
 // (topk_weights, topk_ids) with HF's precision behaviour (reference.route). `expert_ids`: the ids, given
 // (hash routing); the weights are the scores there. `expert_scale`: each weight times its expert's value, last.
 std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selection_bias, const OptTensor& expert_ids,
                                  const OptTensor& expert_scale, at::ScalarType x_dtype, const MoeOptions& o) {
   // The values the top-k ranks are `scores` plus the selection bias, which only chooses: the weights start
   // from the unbiased scores at the chosen experts.
-  Tensor scores;
+  Tensor scores, top, ids;
+  if (o.routing == "sparsemixer") {
+    std::tie(top, ids) = sparsemixer(o.softmax_fp32 ? upcast(logits) : logits, o.top_k, o.jitter_eps);
+    return finish_weights(top, ids, expert_scale, x_dtype, o);
+  }
   if (o.routing == "softmax_topk") {
     scores = at::softmax(logits, -1, o.softmax_fp32 ? acc_dtype(logits.scalar_type()) : logits.scalar_type());
   } else if (o.routing == "topk_softmax") {
@@ -150,7 +202,6 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   }
   Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
   if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group, o.group_top);
-  Tensor top, ids;
   if (expert_ids.has_value()) {
     ids = expert_ids->to(at::kLong, /*non_blocking=*/false, /*copy=*/true);  // an output never aliases an input
     const int64_t E = logits.size(1);
@@ -170,12 +221,7 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   } else if (o.routing == "topk_sigmoid") {
     w = (o.softmax_fp32 ? upcast(top) : top).sigmoid();
   }
-  w = renorm_and_scale(w, o);
-  if (expert_scale.has_value()) {
-    w = w * expert_scale_at(*expert_scale, ids, at::promote_types(w.scalar_type(), expert_scale->scalar_type()));
-  }
-  w = w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype);
-  return {w, ids};
+  return finish_weights(w, ids, expert_scale, x_dtype, o);
 }
 
 // d(loss)/d(logits) [T, E] from d(loss)/d(topk_weights) (reference.routing_backward); with `expert_scale`, also
@@ -184,7 +230,10 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, Tensor grad_w, 
                         const OptTensor& expert_scale, Tensor* d_scale) {
   Tensor l = logits.to(grad_w.scalar_type());
   Tensor base, w0;
-  if (o.routing == "softmax_topk") {
+  if (o.routing == "sparsemixer") {
+    base = sparsemixer_gates(o.softmax_fp32 ? upcast(logits) : logits, l, ids, o.jitter_eps);
+    w0 = base.gather(2, ids.unsqueeze(-1)).squeeze(-1);
+  } else if (o.routing == "softmax_topk") {
     base = at::softmax(l, -1);
     w0 = base.gather(1, ids);
   } else if (o.routing == "topk_softmax") {
@@ -210,6 +259,10 @@ Tensor routing_backward(const Tensor& logits, const Tensor& ids, Tensor grad_w, 
     Tensor denom = renorm_denominator(total, o);
     Tensor w1 = w0 / denom;
     d = (d - total.ge(o.renorm_min) * sum_last(d * w1)) / denom;
+  }
+  if (o.routing == "sparsemixer") {  // w0[k] = p_k[id_k]: d l = sum_k d_k w0_k (onehot(id_k) - p_k)
+    Tensor dw = d * w0;
+    return at::zeros_like(l).scatter_add_(1, ids, dw) - (dw.unsqueeze(-1) * base).sum(at::IntArrayRef{1});
   }
   // Scattered with adds: given ids may name an expert twice in a row, and both slots count.
   if (o.routing == "softmax_topk") {
@@ -578,15 +631,15 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
-      double renorm_min, int64_t group_top, int64_t identity_experts, const OptTensor &expert_ids,              \
-      const OptTensor &expert_scale
+      double renorm_min, int64_t group_top, int64_t identity_experts, double jitter_eps,                       \
+      const OptTensor &expert_ids, const OptTensor &expert_scale
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts};
+                     identity_experts, jitter_eps};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
@@ -604,8 +657,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
                                        gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
                                        router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
                                        topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, renorm_min, group_top, identity_experts, expert_ids,
-                                       expert_scale,
+                                       limit, weight_on_input, renorm_min, group_top, identity_experts, jitter_eps,
+                                       expert_ids, expert_scale,
                                        /*save_h=*/false);
   return {out, w, ids};
 }
@@ -614,8 +667,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS)
   return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
                       down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
                       renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, identity_experts, expert_ids,
-                      expert_scale,
+                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, identity_experts, jitter_eps,
+                      expert_ids, expert_scale,
                       /*save_h=*/true);
 }
 
@@ -633,11 +686,11 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    int64_t identity_experts, const OptTensor& gate_up_out, const OptTensor& expert_scale) {
+    int64_t identity_experts, double jitter_eps, const OptTensor& gate_up_out, const OptTensor& expert_scale) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts};
+                     identity_experts, jitter_eps};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
@@ -788,7 +841,7 @@ BackwardResult fused_moe_backward(
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
-  "float renorm_min, int group_top, int identity_experts"
+  "float renorm_min, int group_top, int identity_experts, float jitter_eps"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"

@@ -329,7 +329,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
         weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"],
         expert_ids=None if expert_ids is None else expert_ids.contiguous(),
-        expert_scale=None if expert_scale is None else expert_scale.contiguous())
+        expert_scale=None if expert_scale is None else expert_scale.contiguous(), jitter_eps=kw["jitter_eps"])
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
@@ -553,7 +553,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                         renormalize=kw["renormalize"], renorm_eps=kw["renorm_eps"], routed_scale=kw["routed_scale"],
                         out_dtype=dl_dtype, renorm_min=kw["renorm_min"],
                         expert_scale=None if expert_scale is None else expert_scale.contiguous(), num_experts=E,
-                        identity_dot=identity_dot)
+                        identity_dot=identity_dot, softmax_fp32=kw["softmax_fp32"], jitter_eps=kw["jitter_eps"])
     d_scale = None
     if expert_scale is not None:  # each expert's pairs summed in sorted order: deterministic
         dl, dscale_sorted = dl

@@ -9,6 +9,8 @@ its tokens picked each expert: the first step of the device-side counting sort
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -16,7 +18,7 @@ import triton.language as tl
 from .launch import cdiv, launcher, next_power_of_2
 
 ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3,
-                 "sqrtsoftplus_topk": 4}
+                 "sqrtsoftplus_topk": 4, "sparsemixer": 5}
 
 
 def routing_block(num_experts: int, num_tokens: int | None = None) -> tuple[int, int]:
@@ -92,6 +94,34 @@ def _softplus(x):
 
 
 @triton.jit
+def _sparsemixer_gates(logit, left, top, threshold, LOW: tl.constexpr, LDT: tl.constexpr):
+    """One sparsemixer round's softmax [BLOCK_T, BLOCK_E] (fp32, unrounded) of `left` (the logits not yet picked,
+    -inf elsewhere) without those the round drops, ``(top - s) / max(|s|, top) > threshold`` for `top` [BLOCK_T]
+    the round's pick's logit; LOW: the difference and the ratio rounded to the logits' dtype LDT, as PyTorch runs
+    PhiMoE's ops in it (`threshold` is rounded to the dtype by the caller). The division is rounded correctly, as
+    PyTorch's is, so that a ratio at the threshold compares as HF's does."""
+    diff = top[:, None] - logit
+    if LOW:
+        diff = diff.to(LDT).to(tl.float32)
+    ratio = tl.math.div_rn(diff, tl.maximum(tl.abs(logit), top[:, None]))
+    if LOW:
+        ratio = ratio.to(LDT).to(tl.float32)
+    e = tl.exp(tl.where(ratio > threshold, float("-inf"), left) - top[:, None])  # top: the largest left, kept
+    return e / tl.sum(e, axis=1)[:, None]
+
+
+def sparsemixer_threshold(logits, softmax_fp32: bool, jitter_eps: float) -> float:
+    """2 * jitter_eps as PyTorch compares the sparsemixer's ratios with it: rounded to the dtype they are in (the
+    logits', or fp32 with `softmax_fp32`)."""
+    return _rounded(2 * jitter_eps, torch.float32 if softmax_fp32 else logits.dtype)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
+
+
+@triton.jit
 def _take(mat, cols, idx):
     """mat[t, idx[t]] for a [BT, BE] tile."""
     return tl.sum(tl.where(cols[None, :] == idx[:, None], mat, 0.0), axis=1)
@@ -132,6 +162,7 @@ def _route_fwd_kernel(
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
     DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0, GROUP_TOP: tl.constexpr = 2,
     given_ids_ptr=None, GIVEN_IDS: tl.constexpr = False, expert_scale_ptr=None, EXPERT_SCALE: tl.constexpr = False,
+    threshold=0.0,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
     chunk, from the same picks, so a few-token call skips those two launches.
@@ -142,7 +173,9 @@ def _route_fwd_kernel(
     GIVEN_IDS: the ids are read from `given_ids_ptr` [T, K] instead of chosen (each clamped into [0, E), so that
     an id out of range, the caller's error, cannot send a pair outside the buffers); the weights are `value` there.
     EXPERT_SCALE: each weight is multiplied last by its expert's `expert_scale` value (in fp32, before the store's
-    rounding)."""
+    rounding).
+    ROUTING 5 (sparsemixer): round k's pick is the largest logit left; its weight, the round's softmax at the pick
+    (`_sparsemixer_gates`, rounded to the logits' dtype where SOFTMAX_LOW); `threshold` is 2 * jitter_eps."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -163,7 +196,7 @@ def _route_fwd_kernel(
         if SOFTMAX_LOW:  # HF runs this softmax in the logits' dtype
             value = value.to(LDT).to(tl.float32)
         choice = tl.where(cmask[None, :], value, ninf)
-    elif ROUTING == 1:  # top-k of the logits, softmax over the k afterwards
+    elif ROUTING == 1 or ROUTING == 5:  # top-k of the logits, softmax over the k afterwards; sparsemixer
         value = logit
         choice = tl.where(cmask[None, :], logit, ninf)
     elif ROUTING == 3:  # top-k of the logits, sigmoid of the k picked (Llama4)
@@ -212,8 +245,14 @@ def _route_fwd_kernel(
             idx = tl.load(given_ids_ptr + rows * K + k, mask=rmask, other=0).to(tl.int32)
             idx = tl.minimum(tl.maximum(idx, 0), E - 1)
         else:
-            _, idx = _argmax_first(choice, cols, BLOCK_E)
-        top_v = tl.where(kcols[None, :] == k, _take(value, cols, idx)[:, None], top_v)
+            top, idx = _argmax_first(choice, cols, BLOCK_E)
+        if ROUTING == 5:
+            wk = _take(_sparsemixer_gates(logit, choice, top, threshold, SOFTMAX_LOW, LDT), cols, idx)
+            if SOFTMAX_LOW:
+                wk = wk.to(LDT).to(tl.float32)
+        else:
+            wk = _take(value, cols, idx)
+        top_v = tl.where(kcols[None, :] == k, wk[:, None], top_v)
         top_i = tl.where(kcols[None, :] == k, idx[:, None], top_i)
         hit = cols[None, :] == idx[:, None]
         picked += hit.to(tl.int32)
@@ -266,10 +305,11 @@ def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
 
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2, expert_ids=None, expert_scale=None):
+          topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2, expert_ids=None, expert_scale=None,
+          jitter_eps=0.0):
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
     `expert_ids` [T, K]: the ids, given (`mok::fused_moe`'s argument), not chosen. `expert_scale` [E]: the
-    weights' per-expert factor.
+    weights' per-expert factor. `jitter_eps`: the sparsemixer's.
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
     one program holds every token (chunk_counts is then None: its one row is `dispatch.bucket_count`), else
@@ -294,7 +334,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
                                                                                softmax_fp32),
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             G_PAD=next_power_of_2(max(n_group, 2)), GROUP_TOP=group_top, RENORM=renormalize,
-            renorm_min=float(renorm_min),
+            renorm_min=float(renorm_min), threshold=sparsemixer_threshold(logits, softmax_fp32, jitter_eps),
             BLOCK_T=block_t, BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
             **({} if not fused else dict(
                 expert_count_ptr=dispatch.bucket_count, expert_start_ptr=dispatch.bucket_start,
@@ -315,9 +355,11 @@ def _route_bwd_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, ROUTING: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
     expert_scale_ptr=None, dscale_sorted_ptr=None, EXPERT_SCALE: tl.constexpr = False, num_experts=0,
-    identity_dot_ptr=None, IDENTITY: tl.constexpr = False,
+    identity_dot_ptr=None, IDENTITY: tl.constexpr = False, threshold=0.0, LOW: tl.constexpr = False,
 ):
-    """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits.
+    """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits (the
+    sparsemixer's, ROUTING 5: each round's softmax over the experts it kept, whose masks are recomputed as the
+    forward rounded them, LOW and `threshold` as its SOFTMAX_LOW and `threshold`).
 
     d(topk_weights) arrives as partial sums over tiles of I ([n_parts, T*K] at each pair's sorted
     position), summed here in a fixed order, plus `dw_extra` (given grads, down-bias term).
@@ -367,10 +409,17 @@ def _route_bwd_kernel(
         base = tl.where(lmask, tl.sqrt(_softplus(logit)), 0.0)
     else:
         base = logit
+    LDT = logits_ptr.dtype.element_ty
     w0 = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    left = logit
     for k in tl.static_range(K):
         idk = tl.sum(tl.where(kcols[None, :] == k, ids, 0), axis=1)
-        w0 = tl.where(kcols[None, :] == k, _take(base, cols, idk)[:, None], w0)
+        if ROUTING == 5:
+            w0k = _take(_sparsemixer_gates(logit, left, _take(logit, cols, idk), threshold, LOW, LDT), cols, idk)
+            left = tl.where(cols[None, :] == idk[:, None], float("-inf"), left)
+        else:
+            w0k = _take(base, cols, idk)
+        w0 = tl.where(kcols[None, :] == k, w0k[:, None], w0)
     if ROUTING == 1:  # base held logits: softmax over the k picked
         mk = tl.max(tl.where(kmask[None, :], w0, float("-inf")), axis=1)
         ek = tl.where(kmask[None, :], tl.exp(w0 - mk[:, None]), 0.0)
@@ -392,13 +441,20 @@ def _route_bwd_kernel(
         d = w0 * (d - tl.sum(w0 * d, axis=1)[:, None])
 
     scat = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)  # d scattered to the picked experts
+    left = logit
     for k in tl.static_range(K):
         idk = tl.sum(tl.where(kcols[None, :] == k, ids, 0), axis=1)
         dk = tl.sum(tl.where(kcols[None, :] == k, d, 0.0), axis=1)
-        scat += tl.where(cols[None, :] == idk[:, None], dk[:, None], 0.0)  # summed: given ids may repeat
+        if ROUTING == 5:  # w0[k] = p_k[id_k]: d l = sum_k d_k w0_k (onehot(id_k) - p_k)
+            dwk = dk * tl.sum(tl.where(kcols[None, :] == k, w0, 0.0), axis=1)
+            pk = _sparsemixer_gates(logit, left, _take(logit, cols, idk), threshold, LOW, LDT)
+            scat += dwk[:, None] * (tl.where(cols[None, :] == idk[:, None], 1.0, 0.0) - pk)
+            left = tl.where(cols[None, :] == idk[:, None], float("-inf"), left)
+        else:
+            scat += tl.where(cols[None, :] == idk[:, None], dk[:, None], 0.0)  # summed: given ids may repeat
     if ROUTING == 0:
         dl = base * (scat - tl.sum(base * scat, axis=1)[:, None])
-    elif ROUTING == 1:
+    elif ROUTING == 1 or ROUTING == 5:
         dl = scat
     elif ROUTING == 4:  # d sqrt(softplus(l)) = sigmoid(l) / (2 s); 0 where s underflowed to 0
         dl = tl.where(base > 0.0, scat * (1.0 / (1.0 + tl.exp(-logit))) / (2.0 * tl.where(base > 0.0, base, 1.0)),
@@ -438,13 +494,13 @@ def row_dots(a, b):
 
 def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, renormalize, renorm_eps,
                    routed_scale, out_dtype=torch.float32, renorm_min=0.0, expert_scale=None, num_experts=None,
-                   identity_dot=None):
+                   identity_dot=None, softmax_fp32=True, jitter_eps=0.0):
     """d(logits) [T, E], computed in fp32 and stored in `out_dtype` (the router's dtype where nothing else
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
     position. With `expert_scale`: (d(logits), [T*K] fp32 each pair's part of d(expert_scale) at its sorted
     position), which the caller sums per expert (`moe._backward`). `num_experts` (fewer than E, the logits'
     width: identity experts): the pairs of ids from it on have no partial sums; `identity_dot` [T] fp32 is their
-    d(weight) (<grad_out, x> of their token, `row_dots`)."""
+    d(weight) (<grad_out, x> of their token, `row_dots`). `softmax_fp32`, `jitter_eps`: the sparsemixer's."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = route_backward_block(E, T)
@@ -462,6 +518,8 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
             T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
             K=K, K_PAD=next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
             HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e, renorm_min=float(renorm_min),
+            threshold=sparsemixer_threshold(logits, softmax_fp32, jitter_eps),
+            LOW=(not softmax_fp32) and logits.dtype != torch.float32,
             num_warps=routing_warps(block_t, block_e), **scaled,
         )
     return dl if expert_scale is None else (dl, dscale_sorted)

@@ -113,12 +113,37 @@ def selection_scores(logits, selection_bias, *, routing, softmax_fp32, n_group, 
     return choice, scores
 
 
+def sparsemixer_drop(scores, top, jitter_eps):
+    """PhiMoE's mask of one sparsemixer round: the scores too far below the round's largest `top` [T, 1],
+    ``(top - s) / max(|s|, top) > 2 * jitter_eps``, each op in the scores' dtype (as HF writes it)."""
+    return ((top - scores) / scores.abs().clamp(min=top)) > (2 * jitter_eps)
+
+
+def sparsemixer(scores, top_k, jitter_eps):
+    """(w [T, K] in the scores' dtype, ids [T, K]): PhiMoE's sparsemixer at inference, op for op. Round r picks
+    the largest score left (the lowest index among equals, as torch.max promises); its weight is the softmax,
+    at the pick, of the scores left that `sparsemixer_drop` keeps; the pick is then removed (-inf)."""
+    left, weights, ids = scores, [], []
+    for _ in range(top_k):
+        top, idx = left.max(dim=-1, keepdim=True)
+        gates = torch.softmax(left.masked_fill(sparsemixer_drop(scores, top, jitter_eps), float("-inf")), dim=-1)
+        weights.append(gates.gather(dim=-1, index=idx))
+        ids.append(idx)
+        left = torch.scatter(left, -1, idx, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
+
+
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
           renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2, expert_ids=None,
-          expert_scale=None):
+          expert_scale=None, jitter_eps=0.0):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour. `expert_ids`: the ids, given; the
     weights are the routing's values there (DeepSeek-V4's hash routing: `scores.gather(1, tid2eid[input_ids])`).
     `expert_scale` [E]: each weight times its expert's value, last (Gemma 4's `per_expert_scale`)."""
+    if routing == "sparsemixer":
+        w, ids = sparsemixer(_upcast(logits) if softmax_fp32 else logits, top_k, jitter_eps)
+        return _finish_weights(w, ids, x_dtype=x_dtype, renormalize=renormalize, renorm_eps=renorm_eps,
+                               renorm_min=renorm_min, routed_scale=routed_scale, expert_scale=expert_scale,
+                               weights_fp32=weights_fp32)
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
     if expert_ids is not None:
@@ -137,6 +162,14 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
         w = (_upcast(top) if softmax_fp32 else top).sigmoid()
     else:
         w = top
+    return _finish_weights(w, ids, x_dtype=x_dtype, renormalize=renormalize, renorm_eps=renorm_eps,
+                           renorm_min=renorm_min, routed_scale=routed_scale, expert_scale=expert_scale,
+                           weights_fp32=weights_fp32)
+
+
+def _finish_weights(w, ids, *, x_dtype, renormalize, renorm_eps, renorm_min, routed_scale, expert_scale,
+                    weights_fp32):
+    """The steps every routing ends with: renormalise, scale, the per-expert scale, the cast."""
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, renorm_min=renorm_min,
                           routed_scale=routed_scale)
     if expert_scale is not None:
@@ -249,15 +282,16 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, expert_ids=None,
-                        expert_scale=None):
+                        weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0,
+                        expert_ids=None, expert_scale=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     w, ids = route(logits, selection_bias, x_dtype=x.dtype, top_k=top_k, routing=routing,
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
                    routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32,
-                   renorm_min=renorm_min, group_top=group_top, expert_ids=expert_ids, expert_scale=expert_scale)
+                   renorm_min=renorm_min, group_top=group_top, expert_ids=expert_ids, expert_scale=expert_scale,
+                   jitter_eps=jitter_eps)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input)
@@ -324,14 +358,18 @@ def _gelu_tanh_grad(x):
 
 
 def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renormalize, renorm_eps, routed_scale,
-                     renorm_min=0.0, expert_scale=None):
+                     renorm_min=0.0, expert_scale=None, softmax_fp32=True, jitter_eps=0.0):
     """(d(loss)/d(logits) [T, E], d(loss)/d(expert_scale) [E] or None) from d(loss)/d(topk_weights), all in the
     accumulation dtype. With `expert_scale`, the weights are w * s[ids] for the w this recomputes: d(s[e]) sums
-    d(weights) * w over the pairs of expert e (in pair order), and w's gradient is d(weights) * s[ids]."""
+    d(weights) * w over the pairs of expert e (in pair order), and w's gradient is d(weights) * s[ids].
+    `softmax_fp32`, `jitter_eps`: the sparsemixer's, whose masks are recomputed as the forward rounded them."""
     acc = grad_w.dtype
     l = logits.to(acc)
     base = None
-    if routing == "softmax_topk":
+    if routing == "sparsemixer":
+        base = sparsemixer_gates(_upcast(logits) if softmax_fp32 else logits, l, topk_ids, jitter_eps)
+        w0 = base.gather(2, topk_ids.unsqueeze(-1)).squeeze(-1)
+    elif routing == "softmax_topk":
         base = torch.softmax(l, dim=-1)
         w0 = base.gather(1, topk_ids)
     elif routing == "topk_softmax":
@@ -361,9 +399,25 @@ def routing_backward(logits, topk_weights, topk_ids, grad_w, *, routing, renorma
     return _logits_grad(l, base, w0, topk_ids, d, routing), d_scale
 
 
+def sparsemixer_gates(scores, l, topk_ids, jitter_eps):
+    """[T, K, E]: round k's softmax of the sparsemixer (`sparsemixer`) at the forward's picks, computed on `l` (the
+    logits in the backward's dtype) over the experts the forward kept: its masks are recomputed from `scores`, in
+    the dtype the forward ran in, so that they are the forward's (a mask is a choice: it has no gradient)."""
+    left, gates = l, []
+    for k in range(topk_ids.shape[1]):
+        idx = topk_ids[:, k:k + 1]
+        drop = sparsemixer_drop(scores, scores.gather(1, idx), jitter_eps)
+        gates.append(torch.softmax(left.masked_fill(drop, float("-inf")), dim=-1))
+        left = left.scatter(1, idx, float("-inf"))
+    return torch.stack(gates, dim=1)
+
+
 def _logits_grad(l, base, w0, topk_ids, d, routing):
     """d(logits) from d(w0), the gradient of the pre-renormalisation weights w0 (`base`: the per-expert scores
-    they were gathered from, where there are any)."""
+    they were gathered from, where there are any; the sparsemixer's per-round softmax [T, K, E])."""
+    if routing == "sparsemixer":  # w0[k] = p_k[id_k]: d l = sum_k d_k w0_k (onehot(id_k) - p_k)
+        dw = d * w0
+        return torch.zeros_like(l).scatter_add_(1, topk_ids, dw) - (dw.unsqueeze(-1) * base).sum(dim=1)
     # Scattered with adds: given ids (`expert_ids`) may name an expert twice in a row, and both slots count.
     if routing == "softmax_topk":
         dp = torch.zeros_like(l).scatter_add_(1, topk_ids, d)
@@ -391,7 +445,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 renorm_min=0.0, group_top=2, identity_experts=0, gate_up_out=None,
+                                 renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0, gate_up_out=None,
                                  router_logits=None, routing_layout=None, expert_scale=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
@@ -477,7 +531,8 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     logits = _logits_of(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
     d_logits, d_scale = routing_backward(logits, topk_weights, topk_ids, d_wts, routing=routing,
                                          renormalize=renormalize, renorm_eps=renorm_eps, routed_scale=routed_scale,
-                                         renorm_min=renorm_min, expert_scale=expert_scale)
+                                         renorm_min=renorm_min, expert_scale=expert_scale,
+                                         softmax_fp32=softmax_fp32, jitter_eps=jitter_eps)
     if router_is_logits:
         d_router, d_router_bias = d_logits.to(router.dtype), None
     else:

@@ -26,6 +26,11 @@ Routing families (see shared/moe-semantics.md):
 - ``sqrtsoftplus_topk`` (E): C with ``sqrt(softplus(logits))`` scores in place of
   the sigmoid (softplus with PyTorch's threshold 20). DeepSeek-V4's learned
   routers.
+- ``sparsemixer`` (F): PhiMoE's sparsemixer at inference, k rounds of: the
+  largest remaining logit ``m`` picks the expert; the logits ``s`` with
+  ``(m - s) / max(|s|, m) > 2 * jitter_eps`` and the experts already picked are
+  masked out (-inf); the weight is the softmax of what is left at the pick.
+  (Its training form samples the picks at random: no kernel can match it.)
 
 A selection bias (the op's ``selection_bias`` argument) is added to the values
 the top-k ranks (A: the probabilities, B and D: the logits, C: the sigmoid
@@ -39,7 +44,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk", "sparsemixer")
 # C and E: per-expert scores, an unsorted top-k of them (plus any selection bias), the scores gathered at its ids.
 SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
 # The routings that take group-limited selection (n_group > 1).
@@ -57,9 +62,10 @@ class RoutingSpec:
         than the ``[E, H]`` router weight.
     router_fp32: logits are ``linear(x.float(), W.float())`` (DeepSeek-V3 keeps
         its router in fp32); otherwise they are computed in the input dtype.
-    softmax_fp32: softmax (A, B) / sigmoid (C, D) / sqrt-softplus (E) runs on fp32
-        logits; otherwise in the logits' dtype (GPT-OSS does its softmax in bf16,
-        LFM2-MoE its sigmoid, DeepSeek-V4 its sqrt-softplus).
+    softmax_fp32: softmax (A, B) / sigmoid (C, D) / sqrt-softplus (E) / the whole
+        sparsemixer (F) runs on fp32 logits; otherwise in the logits' dtype (GPT-OSS
+        does its softmax in bf16, LFM2-MoE its sigmoid, DeepSeek-V4 its
+        sqrt-softplus, PhiMoE its sparsemixer, each op rounded as PyTorch rounds it).
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
@@ -99,6 +105,7 @@ class RoutingSpec:
     renorm_min: float = 0.0
     group_top: int = 2
     identity_experts: int = 0
+    jitter_eps: float = 0.0
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -115,6 +122,8 @@ class RoutingSpec:
             raise ValueError(f"renorm_min must be a finite number >= 0, got {self.renorm_min}")
         if self.identity_experts < 0:
             raise ValueError(f"identity_experts must be >= 0, got {self.identity_experts}")
+        if not 0.0 <= self.jitter_eps < float("inf"):
+            raise ValueError(f"jitter_eps must be a finite number >= 0, got {self.jitter_eps}")
 
 
 @dataclass(frozen=True)

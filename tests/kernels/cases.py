@@ -76,6 +76,12 @@ VARIANTS = {
                     False, False, True),
     # Kolibri1: fp32 router, a selection bias on the logits, sigmoid of the unbiased chosen logits, renormalised.
     "kolibri": (dict(routing="topk_sigmoid", router_fp32=True, renormalize=True), ExpertSpec(), False, False, True),
+    # PhiMoE at inference: the sparsemixer in the router's dtype, weights in the input dtype; a threshold (2 * 0.1)
+    # that keeps some other experts in each round's softmax and drops others (PhiMoE's 2 * 0.01 keeps near ties).
+    "phimoe": (dict(routing="sparsemixer", softmax_fp32=False, weights_fp32=False, jitter_eps=0.1), ExpertSpec(),
+               False, False, False),
+    "sparsemixer_renorm": (dict(routing="sparsemixer", renormalize=True, routed_scale=1.5, jitter_eps=0.15),
+                           ExpertSpec(), True, False, False),
 }
 
 # CPU-interpreter checks (variant, T, H, I, E, K, dtype): small odd sizes, T not a multiple of any block.
@@ -92,6 +98,8 @@ INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("topk_sigmoid_renorm_bias", 23, 32, 16, 8, 3, torch.float16),
     ("lfm2", 19, 40, 24, 8, 2, torch.float16),
     ("inkling2", 19, 40, 24, 8, 2, torch.float16),  # the softcapped SwiGLU's one rounding from fp32
+    ("phimoe", 19, 40, 24, 8, 2, torch.float16),  # the sparsemixer's masks and softmax rounded to the logits' dtype
+    ("sparsemixer_renorm", 70, 32, 16, 16, 3, torch.float32),  # two routing programs, three rounds
 ]
 
 # The same through the CUTLASS engine (MOK_GEMM_ENGINE=cutlass; H and I multiples of 8): every

@@ -113,6 +113,13 @@ ROUTING_CASES = [
     Case("sqrtsoftplus", _r(routing="sqrtsoftplus_topk")),
     Case("sqrtsoftplus_groups_renorm", _r(routing="sqrtsoftplus_topk", top_k=3, n_group=4, topk_group=2,
                                           renormalize=True, routed_scale=2.5), selection_bias=True, num_experts=8),
+    # sparsemixer (PhiMoE at inference): a threshold that keeps some of the other experts in the masked softmax and
+    # drops others (PhiMoE's 2 * 0.01 keeps near ties only); in bf16 as PhiMoE runs it, each op in the logits' dtype.
+    Case("sparsemixer", _r(routing="sparsemixer", jitter_eps=0.2), num_experts=6),
+    Case("sparsemixer_phimoe_bf16", _r(routing="sparsemixer", softmax_fp32=False, weights_fp32=False, jitter_eps=0.2),
+         num_experts=6, dtype=torch.bfloat16),
+    Case("sparsemixer_3_renorm_scale_logits", _r(routing="sparsemixer", top_k=3, router_is_logits=True,
+                                                 renormalize=True, routed_scale=1.5, jitter_eps=0.3), num_experts=6),
 ]
 
 # weight_on_input: the routing weight scales each expert's input, the k outputs are summed unweighted.
@@ -272,6 +279,22 @@ def _allowed(choice, kw) -> list[int]:
     return [e for e in range(E) if e // size in kept]
 
 
+def _sparsemixer(s, k: int, threshold: float):
+    """(chosen, weights [k]) of PhiMoE's sparsemixer for one token's logits `s`: each round, the largest logit m
+    left (the first of equals) is chosen, and its weight is its softmax among the logits left within the relative
+    distance `threshold` of it (``(m - s_e) / max(|s_e|, m) <= threshold``)."""
+    chosen, weights = [], []
+    for _ in range(k):
+        left = [e for e in range(s.shape[0]) if e not in chosen]
+        best = max(left, key=lambda e: (float(s[e].detach()), -e))
+        m = float(s[best].detach())
+        near = [e for e in left if not (m - float(s[e].detach())) / max(abs(float(s[e].detach())), m) > threshold]
+        z = torch.exp(s[near] - s[best])
+        weights.append(z[near.index(best)] / z.sum())
+        chosen.append(best)
+    return chosen, torch.stack(weights)
+
+
 def dense_oracle(args, kwargs):
     """(out [T, H], weights {(t, expert): w}) of the MoE, token by token; differentiable.
 
@@ -312,6 +335,8 @@ def dense_oracle(args, kwargs):
         elif kw["routing"] == "topk_sigmoid":
             chosen = _choose(t, logits + bias)
             w = _sigmoid(logits[chosen])
+        elif kw["routing"] == "sparsemixer":
+            chosen, w = _sparsemixer(logits, K, 2 * kw["jitter_eps"])
         elif kw["routing"] == "sqrtsoftplus_topk":
             s = torch.sqrt(torch.log(1 + torch.exp(logits)))
             c = s if selection_bias is None else s + selection_bias

@@ -40,6 +40,9 @@ ROUTINGS = {
     "sqrtsoftplus_deepseek_v4": dict(top_k=2, routing="sqrtsoftplus_topk", softmax_fp32=False, renormalize=True,
                                      renorm_eps=1e-20, routed_scale=1.5, weights_fp32=False),
     "sqrtsoftplus_groups": dict(top_k=3, routing="sqrtsoftplus_topk", n_group=4, topk_group=2, routed_scale=2.5),
+    # PhiMoE's (each op in the logits' dtype), with a threshold that both keeps and drops other experts.
+    "sparsemixer_phimoe": dict(top_k=2, routing="sparsemixer", softmax_fp32=False, weights_fp32=False,
+                               jitter_eps=0.2),
 }
 # Which routings get a router bias / selection bias (as in GPT-OSS / DeepSeek-V3).
 ROUTER_BIAS = {"topk_softmax_gpt_oss", "sigmoid_ungrouped_wdtype"}
