@@ -161,6 +161,8 @@ def describe_block(b) -> str:
             extras.append("expert_scale")
         if r.identity_experts:
             extras.append(f"identity_experts={r.identity_experts}")
+        if r.routing == "sparsemixer":
+            extras.append(f"jitter_eps={r.jitter_eps:g}")
         parts.append(routing + (f"({', '.join(extras)})" if extras else ""))
     if b.experts is not None:
         e = b.experts

@@ -33,7 +33,10 @@ WEIGHT_ON_INPUT_FAMILIES = ("llama4",)
 # DeepSeek-V2's block (group-limited greedy routing: groups ranked by their largest probability) for the pass tests
 # and the layer benchmark; its tiny models' MLA attention does not trace in the backend tests.
 OTHER_FAMILIES = ("deepseek_v2",)
-ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES
+# Families the op covers at inference only: PhiMoE's sparsemixer samples its routing at random in training (the
+# op computes its inference form), so its training step is eager's own and stays unfused.
+INFERENCE_FAMILIES = ("phimoe",)
+ALL_FAMILIES = FAMILIES + WEIGHT_ON_INPUT_FAMILIES + OTHER_FAMILIES + INFERENCE_FAMILIES
 # Families of transformers newer than the oldest supported (5.17), kept out of ALL_FAMILIES: DeepSeek-V4 (5.25),
 # whose learned-router layers (past its hash-routed ones) the op fuses, and Inkling2 (5.25: its softcapped SwiGLU).
 NEWER_FAMILIES = ("deepseek_v4", "inkling2")
@@ -136,6 +139,11 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
             zero_expert_num=max(1, E // 2), moe_topk=K, routed_scaling_factor=6.0, num_layers=num_layers,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, head_dim=8, v_head_dim=16, vocab_size=128, max_position_embeddings=256)
+    elif family == "phimoe":
+        # Its sparsemixer's threshold 2 * router_jitter_noise at 0.1 rather than PhiMoE's 0.01, so that each round's
+        # softmax keeps some other experts (and the router a gradient) at tiny random weights, and drops others.
+        cfg = tf.PhimoeConfig(intermediate_size=I, num_local_experts=E, router_jitter_noise=0.1, input_jitter_noise=0.0,
+                              **common)
     elif family == "llama4":
         # Text-only (Llama4ForCausalLM), every layer MoE (gated shared expert of size I, outside the op);
         # dense layers (none here) would use intermediate_size_mlp.
@@ -186,6 +194,7 @@ def _block_class(family: str):
         "deepseek_v4": "DeepseekV4SparseMoeBlock",
         "longcat_flash": "LongcatFlashMoE",
         "inkling2": "Inkling2SparseMoeBlock",
+        "phimoe": "PhimoeSparseMoeBlock",
     }
     return getattr(mod, names[family])
 
@@ -268,6 +277,11 @@ def routed_parts(family: str, block):
         # selection bias, the chosen probabilities scaled; a pair sent to a zero-computation expert passes through.
         spec = RoutingSpec(top_k=K, router_fp32=True, routed_scale=float(block.router.routed_scaling_factor),
                            identity_experts=block.zero_expert_num)
+        return block.router, block.experts, spec, ExpertSpec()
+    if family == "phimoe":
+        # PhimoeTopKRouter (eval): the sparsemixer in the logits' dtype, its weights in that dtype.
+        spec = RoutingSpec(top_k=K, routing="sparsemixer", softmax_fp32=False, weights_fp32=False,
+                           jitter_eps=float(block.router.router_jitter_noise))
         return block.router, block.experts, spec, ExpertSpec()
     if family == "ernie4_5_moe":
         # Ernie4_5_MoeTopKRouter: fp32 softmax, a selection bias on the probabilities, w / clamp(sum, min), cast.

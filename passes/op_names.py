@@ -24,7 +24,7 @@ _ALIASES = {
     "neg": "neg", "invert": "invert", "bitwise_not": "invert", "matmul": "matmul", "pow": "pow",
     "clip": "clamp", "clamp_max": "clamp", "clamp_min": "clamp_min", "swapaxes": "transpose",
     "index_select": "index_select", "eq": "eq", "ne": "ne", "greater_equal": "ge", "greater": "gt",
-    "less_equal": "le", "less": "lt", "not_equal": "ne",
+    "less_equal": "le", "less": "lt", "not_equal": "ne", "concat": "cat", "concatenate": "cat",
 }
 _INPLACE_OPERATORS = {
     operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",

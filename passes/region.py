@@ -11,6 +11,9 @@
 Llama4's dense form (every expert runs on the input scaled by a -inf-scattered sigmoid score, outputs summed
 over the expert dimension) has the same anchor and region; `routing` and `experts` recognise it.
 
+PhiMoE's sparsemixer has no top-k either: its k picks are maxima of the logits left, concatenated, and the
+anchor is that cat (`sparsemixer.py`).
+
 Hash routing (DeepSeek-V4's first layers) has no top-k: the ids are looked up by token id (or computed from
 integers in any other way: a modulo hash, positions) and the router's scores gathered at them,
 
@@ -70,6 +73,7 @@ KNOWN_OPS = frozenset({
     "softplus", "sqrt",  # DeepSeek-V4's router scores, sqrt(softplus(logits))
     "max",  # a group's largest score in group-limited routing (DeepSeek-V2); `routing.match_router` places it
     "tanh",  # Inkling2's softcapped SwiGLU (`experts.activation_between` places it)
+    "abs",  # the sparsemixer's masks (`sparsemixer.match_sparsemixer` places it)
 })
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.
@@ -120,10 +124,11 @@ class Region:
     E: int = 0
     K: int = 0
     given_ids: bool = False          # ids computed from integers alone (hash routing), not chosen by a top-k
+    sparsemixer: object = None       # the `SparsemixerMatch` whose picks the anchor (a cat) concatenates
 
     @property
     def topk(self) -> fx.Node | None:
-        return None if self.given_ids else self.anchor
+        return None if self.given_ids or self.sparsemixer is not None else self.anchor
 
 
 def same(a, b) -> bool:
@@ -255,8 +260,10 @@ def _given_ids_anchor(flow: Dataflow, gather: fx.Node) -> tuple[fx.Node, fx.Node
 
 def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.Node]]:
     """(anchor, ids) of each candidate block, in graph order: a topk whose indices dispatch to experts, with them;
-    or given ids (computed from integer inputs alone: hash routing) that dispatch, with the gather of router scores
-    at them."""
+    given ids (computed from integer inputs alone: hash routing) that dispatch, with the gather of router scores
+    at them; or a sparsemixer's cat of picks that dispatch, as both."""
+    from . import sparsemixer  # it reads this module's helpers
+
     found = []
     for n in gm.graph.nodes:
         if op_name(n) == "topk":
@@ -265,6 +272,8 @@ def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.
                 found.append((n, ids[0]))
         elif op_name(n) == "gather" and (given := _given_ids_anchor(flow, n)) is not None:
             found.append(given)
+        elif sparsemixer.is_anchor(n) and dispatch_evidence(flow, n):
+            found.append((n, n))
     return sorted(found, key=lambda pair: flow.order[pair[0]])
 
 
@@ -306,10 +315,10 @@ def _router_input(node: fx.Node) -> fx.Node:
         node = node.args[0]
 
 
-def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(router linear, logits) behind a topk (or a gather of scores at given ids): walk back through score ops to a
-    linear (or an fp32-out mm)."""
-    n = anchor.args[0]
+def find_router(anchor: fx.Node, scores: fx.Node | None = None) -> tuple[fx.Node, fx.Node]:
+    """(router linear, logits) behind a topk (or a gather of scores at given ids, or a sparsemixer's `scores`): walk
+    back through score ops to a linear (or an fp32-out mm)."""
+    n = anchor.args[0] if scores is None else scores
     while isinstance(n, fx.Node):
         name = op_name(n)
         if name == "linear" or _fp32_router_mm(n):
@@ -318,7 +327,7 @@ def find_router(anchor: fx.Node) -> tuple[fx.Node, fx.Node]:
             n = n.args[0]
             continue
         break
-    where = "the top-k" if op_name(anchor) == "topk" else "the gather at the given ids"
+    where = {"topk": "the top-k", "gather": "the gather at the given ids"}.get(op_name(anchor), "the sparsemixer")
     raise NoMatch(f"router logits do not come from a linear layer in this graph (found {n!s} before {where})")
 
 
@@ -350,13 +359,14 @@ def _candidate_outputs(flow, ids, clean, x_meta, root_meta):
 
 
 def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], logits: fx.Node,
-                  root: fx.Node):
-    """Raise NoMatch unless `nodes` is a closed MoE region producing `out`."""
+                  root: fx.Node, thresholds=frozenset()):
+    """Raise NoMatch unless `nodes` is a closed MoE region producing `out`. `thresholds`: comparisons matched as
+    part of the routing (the sparsemixer's masks), which may compare scores."""
     for n in nodes:
         name = op_name(n)
         if name not in KNOWN_OPS:
             raise NoMatch(f"op {name or n.op!r} ({n.name}) is not part of any supported MoE form")
-        if name in ID_COMPARISONS - {"eq", "ne"} and not is_id_comparison(n):
+        if name in ID_COMPARISONS - {"eq", "ne"} and not is_id_comparison(n) and n not in thresholds:
             raise NoMatch(f"comparison {name!r} ({n.name}) is not a mask over expert ids")
     out_pos = flow.order[out]
     for target in list(nodes) + list(inputs):
@@ -463,8 +473,11 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     downstream of another anchor is a candidate output, so a block whose output feeds another block directly (no
     residual in between) is not swallowed into one region with it.
     """
-    given = op_name(anchor) != "topk"
-    router_linear, logits = find_router(anchor)
+    from .sparsemixer import match_sparsemixer  # it reads this module's helpers
+
+    given = op_name(anchor) == "gather"
+    mixer = match_sparsemixer(anchor) if op_name(anchor) == "cat" else None
+    router_linear, logits = find_router(anchor, None if mixer is None else mixer.scores)
     lmeta = tensor_meta(logits)
     x = _router_input(router_linear.args[0])
     x_meta = tensor_meta(x)
@@ -474,7 +487,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
         raise NoMatch(f"router input has shape {tuple(x_meta.shape)}; expected a 2-D [tokens, hidden] input")
     if anchors is None:
         anchors = block_anchors(gm, flow)
-    search = _RegionSearch(gm, flow, anchor, ids, anchors, logits, given)
+    search = _RegionSearch(gm, flow, anchor, ids, anchors, logits, given, mixer)
     region = search.around(x, router_linear)
     if region is not None:
         return region
@@ -497,9 +510,10 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
 class _RegionSearch:
     """The candidate outputs of one anchor's block tried, latest first, for a given activation input."""
 
-    def __init__(self, gm, flow, anchor, ids, anchors, logits, given):
+    def __init__(self, gm, flow, anchor, ids, anchors, logits, given, mixer=None):
         self.gm, self.flow, self.anchor, self.ids, self.anchors = gm, flow, anchor, ids, anchors
         self.logits, self.given, self.reasons, self.clean = logits, given, [], set()
+        self.mixer = mixer
 
     def around(self, x: fx.Node, router_linear: fx.Node | None) -> Region | None:
         """The region whose activation input is `x` (its views stripped: the root): the router's input with the
@@ -526,17 +540,19 @@ class _RegionSearch:
             if router_linear is None and logits not in inputs:
                 continue
             try:
-                routed = _check_region(flow, out, nodes, inputs | {root}, logits, root)
+                routed = _check_region(flow, out, nodes, inputs | {root}, logits, root,
+                                       self.mixer.masks if self.mixer is not None else frozenset())
                 _check_closed(flow, out, nodes, inputs, routing_side, root)
             except NoMatch as err:
                 self.reasons.append(str(err))
                 continue
-            k = tensor_meta(ids).shape[1] if given else topk_k(anchor)
+            k = tensor_meta(ids).shape[1] if given or self.mixer is not None else topk_k(anchor)
             if k is None:
                 raise NoMatch("top-k size is not a constant")
             return Region(anchor=anchor, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root,
                           out=out, nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed,
-                          T=x_meta.shape[0], H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given)
+                          T=x_meta.shape[0], H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given,
+                          sparsemixer=self.mixer)
         return None
 
 

@@ -15,6 +15,9 @@
        [T, E] (Llama4: weight on the input; `s` scales a repeated input of every expert, see
        `experts.check_input_weight_application`; unchosen experts get sigmoid(-inf) = 0)
 
+    F  the sparsemixer (PhiMoE at inference; its rounds matched in `sparsemixer.py`): weights = cat of the rounds'
+       masked softmax at their picks ─[renormalise]─[* scale]─[cast]─> w
+
     given ids (hash routing, the ids an input of the block): logits ─(float)─ [softmax (A) | sigmoid (C) |
        sqrt(softplus) (E)] ─> s ─ gather(1, ids) ─> w0 ─[softmax (B) | sigmoid (D) of gathered logits]─
        [renormalise]─[* scale]─[cast]─> w; no selection bias, no groups
@@ -31,7 +34,7 @@ is reported, not guessed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -142,6 +145,8 @@ def match_router(region: Region) -> RouterMatch:
     E, K = int(region.E), region.K
     if region.given_ids:
         return _match_given_ids(region, weight, bias, router_fp32)
+    if region.sparsemixer is not None:
+        return _match_sparsemixer(region, weight, bias, router_fp32)
     t_dim = tensor_meta(region.topk.args[0]).dim()
     if not _is_last_dim(arg(region.topk, 2, "dim", -1), t_dim) or arg(region.topk, 3, "largest", True) is not True:
         raise NoMatch("top-k is not over the experts dimension (largest values)")
@@ -189,6 +194,19 @@ def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, rout
     spec, w, scale, runtime = _weight_chain(region, w, routing, softmax_fp32, router_fp32)
     return RouterMatch(spec=spec, weight=weight, bias=bias, selection_bias=None, weights=w, expert_scale=scale,
                        runtime=runtime)
+
+
+def _match_sparsemixer(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
+    """The routing of a sparsemixer block (`sparsemixer.py` matched its rounds): its weights, then the weight chain
+    of every routing (renormalisation, scale, cast). The op reads a threshold the graph reads at run time."""
+    mixer = region.sparsemixer
+    if strip(mixer.scores, CAST_OPS) is not region.logits:
+        raise NoMatch("the sparsemixer runs on something other than the router's logits")
+    spec, w, scale, runtime = _weight_chain(region, mixer.weights, "sparsemixer", mixer.softmax_fp32, router_fp32)
+    if mixer.jitter_node is not None:
+        runtime["jitter_eps"] = mixer.jitter_node
+    return RouterMatch(spec=replace(spec, jitter_eps=mixer.jitter_eps), weight=weight, bias=bias,
+                       selection_bias=None, weights=w, expert_scale=scale, runtime=runtime)
 
 
 def _score_chain(region: Region):

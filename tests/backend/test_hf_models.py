@@ -143,6 +143,42 @@ def test_inkling2_trains_fused():
     _check_step(model, torch.float32, train=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_phimoe_inference_fused(dtype):
+    """PhiMoE at inference: every layer's sparsemixer-routed block fused, logits as eager's."""
+    _check_step(tiny_model("phimoe", dtype), dtype, train=False)
+
+
+def test_phimoe_eval_mode_gradients_fused():
+    """PhiMoE in eval mode with gradients (its sparsemixer then routes as at inference and autograd runs through
+    it; the masks are computed under no_grad, which Dynamo writes as grad-mode switches around them): every layer
+    fused, the loss and every gradient as eager's (fp32)."""
+    model = tiny_model("phimoe")
+    ids = token_ids()
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want_grads = step(model)
+    got_loss, got_grads = step(torch.compile(model, backend="mok", options=AOT))
+    assert (counters["mok"]["fused_moe"], counters["mok"]["rejected_moe"]) == (NUM_LAYERS, 0), dict(counters["mok"])
+    assert_close_rel(got_loss, want_loss, TOL[torch.float32]["logits"], "loss")
+    assert got_grads.keys() == want_grads.keys() and sum(".router." in n for n in got_grads) == NUM_LAYERS
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+
+
+def test_phimoe_training_left_unfused():
+    """PhiMoE in training mode samples its routing at random: every layer's block left to eager's ops (reported),
+    and the step runs."""
+    model = tiny_model("phimoe").train()
+    torch.compile(model, backend="mok", options=AOT)(token_ids(), labels=token_ids()).loss.backward()
+    assert (counters["mok"]["fused_moe"], counters["mok"]["rejected_moe"]) == (0, NUM_LAYERS), dict(counters["mok"])
+
+
 def test_openai_privacy_filter_trains_fused():
     """OpenAI's privacy filter (an encoder; routing weights divided by top_k, the experts' sum multiplied by it after
     the block): every layer fused under backend="mok", its output and every parameter gradient as eager's (fp32)."""

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 from mok_compile import hf_blocks  # noqa: E402
 
 FAMILIES = (hf_blocks.FAMILIES + hf_blocks.available(hf_blocks.NEWER_FAMILIES)
-            + hf_blocks.available(hf_blocks.IDENTITY_FAMILIES))
+            + hf_blocks.available(hf_blocks.IDENTITY_FAMILIES) + hf_blocks.INFERENCE_FAMILIES)
 H = hf_blocks.BlockSizes().hidden
 T = 48
 
@@ -50,7 +50,7 @@ def _block(family, dtype=torch.float32, impl="grouped_mm"):
 
 
 def _router(family, block):
-    return block.router if family in ("gpt_oss", "granitemoe", "longcat_flash") else block.gate
+    return block.router if family in ("gpt_oss", "granitemoe", "longcat_flash", "phimoe") else block.gate
 
 
 def _routing(family, block, x2):

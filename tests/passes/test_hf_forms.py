@@ -582,6 +582,91 @@ def test_longcat_flash_variant_with_hf_identity_term_fused():
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
 
 
+def _phimoe_block(dtype=torch.float32, impl="grouped_mm", sparsemixer=None, train=False):
+    """PhiMoE's block (routed by its sparsemixer, weights std 0.2 so that logits spread), captured on a [2, 5, 64]
+    input: (gm, example_inputs, eager output). `sparsemixer`: a function replacing HF's (near misses); `train`: the
+    block in training mode (its sparsemixer samples)."""
+    modeling = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
+    block = make_block("phimoe", dtype=dtype, experts_implementation=impl)
+    init_moe_weights_(block, std=0.2)
+    block.train(train)
+    with pytest.MonkeyPatch.context() as patch:
+        if sparsemixer is not None:
+            patch.setattr(modeling, "sparsemixer", sparsemixer)
+        torch.manual_seed(0)
+        (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    return (*graph, eager)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_phimoe_sparsemixer_fused(dtype, impl):
+    """PhiMoE at inference: its sparsemixer's two rounds (the largest logit left, a softmax over the logits within
+    2 * jitter_eps of it, relatively) read as the op's routing="sparsemixer", its threshold as jitter_eps; the output
+    bitwise eager's (the C++ kernel runs the sparsemixer op for op; in bf16 the experts too)."""
+    gm, example, eager = _phimoe_block(dtype, impl)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].routing == dataclasses.replace(
+        routed_parts("phimoe", make_block("phimoe"))[2], softmax_fp32=dtype == torch.float32,
+        weights_fp32=dtype == torch.float32)
+    assert "sparsemixer(jitter_eps=0.1)" in describe_block(report.blocks[0])
+    if dtype == torch.bfloat16:
+        assert torch.equal(_output(run(gm, example)), eager)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+def _sparsemixer(compare=torch.gt, factor="clamp", second="scatter", order=(0, 1)):
+    """PhiMoE's inference sparsemixer as a replacement of HF's, with one thing changed for a near miss: the mask's
+    `compare`, its `factor` ("clamp": |s| clamped below by the round's largest; "abs": |s| alone), what the `second`
+    round runs on ("scatter": the scores without the first pick; "scores": all of them) and the weights' `order`."""
+    def sparsemixer(scores, jitter_eps, training, top_k=2):
+        def one_round(left):
+            top, idx = left.max(dim=-1, keepdim=True)
+            f = scores.abs().clamp(min=top) if factor == "clamp" else scores.abs()
+            drop = compare((top - scores) / f, 2 * jitter_eps)
+            return torch.softmax(left.masked_fill(drop, float("-inf")), dim=-1).gather(dim=-1, index=idx), idx
+
+        w1, i1 = one_round(scores)
+        w2, i2 = one_round(torch.scatter(scores, -1, i1, float("-inf")) if second == "scatter" else scores)
+        weights = (w1, w2)
+        return torch.cat((weights[order[0]], weights[order[1]]), dim=-1), torch.cat((i1, i2), dim=-1)
+
+    return sparsemixer
+
+
+def test_phimoe_sparsemixer_written_again_fused():
+    """The near misses' own sparsemixer, unchanged: fused (they fail on what they change)."""
+    gm, example, eager = _phimoe_block(sparsemixer=_sparsemixer())
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True], str(report)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(compare=torch.ge), "a sparsemixer mask is not (top - scores) / scores.abs().clamp(min=top) > threshold"),
+    (dict(factor="abs"), "a sparsemixer mask is not"),
+    (dict(second="scores"), "does not run on the scores without the earlier picks"),
+    (dict(order=(1, 0)), "not its rounds' weights concatenated in the order of its picks"),
+], ids=["ge", "no_clamp", "same_expert_twice", "weights_swapped"])
+def test_phimoe_near_miss_sparsemixers_not_fused(change, reason):
+    """Near misses of the sparsemixer, each left as it is with its reason."""
+    gm, example, eager = _phimoe_block(sparsemixer=_sparsemixer(**change))
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
+    assert reason in report.blocks[0].reason, report.blocks[0].reason
+    torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
+
+
+def test_phimoe_training_form_not_fused():
+    """In training mode PhiMoE's sparsemixer samples its picks (a Gumbel max of random noise): found, left as it is,
+    and the reason says so."""
+    gm, example, _ = _phimoe_block(train=True)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
+    assert "training form samples its picks at random" in report.blocks[0].reason, report.blocks[0].reason
+
+
 def _inkling2_block(dtype, activation=None):
     """Inkling2's MoE block (fp32 router with sigmoid scores and a selection bias, its softcapped SwiGLU), captured
     on a [2, 5, 64] input: (gm, example_inputs, eager output). `activation`: a (gate, up) -> act function replacing
