@@ -119,6 +119,12 @@ def sparsemixer_drop(scores, top, jitter_eps):
     return ((top - scores) / scores.abs().clamp(min=top)) > (2 * jitter_eps)
 
 
+def _without(left, idx):
+    """`left` with each row's pick `idx` [T, 1] set to -inf: HF's ``scatter(left, -1, idx, -inf)`` as a masked_fill
+    (the same values; torch-mlir's lowering of that scatter runs out of memory)."""
+    return left.masked_fill(torch.arange(left.shape[-1], device=left.device) == idx, float("-inf"))
+
+
 def sparsemixer(scores, top_k, jitter_eps):
     """(w [T, K] in the scores' dtype, ids [T, K]): PhiMoE's sparsemixer at inference, op for op. Round r picks
     the largest score left (the lowest index among equals, as torch.max promises); its weight is the softmax,
@@ -129,7 +135,7 @@ def sparsemixer(scores, top_k, jitter_eps):
         gates = torch.softmax(left.masked_fill(sparsemixer_drop(scores, top, jitter_eps), float("-inf")), dim=-1)
         weights.append(gates.gather(dim=-1, index=idx))
         ids.append(idx)
-        left = torch.scatter(left, -1, idx, float("-inf"))
+        left = _without(left, idx)
     return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
@@ -408,7 +414,7 @@ def sparsemixer_gates(scores, l, topk_ids, jitter_eps):
         idx = topk_ids[:, k:k + 1]
         drop = sparsemixer_drop(scores, scores.gather(1, idx), jitter_eps)
         gates.append(torch.softmax(left.masked_fill(drop, float("-inf")), dim=-1))
-        left = left.scatter(1, idx, float("-inf"))
+        left = _without(left, idx)
     return torch.stack(gates, dim=1)
 
 

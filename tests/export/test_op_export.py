@@ -178,6 +178,7 @@ def _library_file():
     ("deepseek_v4", "gather"),  # sqrt(softplus) scores + selection bias, clamped SwiGLU without GPT-OSS's "+ 1"
     ("longcat_flash", "gather"),  # identity experts (transformers >= 5.25)
     ("inkling2", "dense"),  # softcapped SwiGLU, fp32 sigmoid router (transformers >= 5.25)
+    ("phimoe", "gather"),  # the sparsemixer: maxima, masks by relative distance, masked softmax, scatter of -inf
 ])
 def test_decomposed_runs_on_refbackend_and_matches_eager(family, form):
     """Form 2: no torch.operator left, linalg-on-tensors with a dynamic token dim, same numbers as the op."""
