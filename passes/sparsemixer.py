@@ -78,7 +78,7 @@ def _lower_clamp(n, top) -> bool:
 
 
 def _drop_mask(mask, s: fx.Node, top: fx.Node):
-    """The threshold `c` (a number, or a float node read at run time) of ``(top - s) / s.abs().clamp(min=top) > c``,
+    """The threshold `c` (read by `_half`) of ``(top - s) / s.abs().clamp(min=top) > c``,
     else NoMatch."""
     bad = NoMatch("a sparsemixer mask is not (top - scores) / scores.abs().clamp(min=top) > threshold")
     if not isinstance(mask, fx.Node) or op_name(mask) != "gt" or len(mask.args) != 2 or mask.kwargs:
@@ -93,8 +93,6 @@ def _drop_mask(mask, s: fx.Node, top: fx.Node):
     absolute = factor.args[0]
     if not (isinstance(absolute, fx.Node) and op_name(absolute) == "abs" and absolute.args[0] is s):
         raise bad
-    if not (number(c) is not None and number(c) >= 0.0 or is_runtime_float(c)):
-        raise NoMatch("a sparsemixer mask's threshold is not a number >= 0")
     return c
 
 
@@ -167,19 +165,23 @@ def match_sparsemixer(anchor: fx.Node) -> SparsemixerMatch:
     src = strip(s, CAST_OPS)
     if src is not s and tensor_meta(src).element_size() > s_meta.element_size():
         raise NoMatch("the sparsemixer runs on the router's logits rounded to a narrower dtype")
-    c = thresholds.pop()
-    jitter_node = _runtime_half(c) if isinstance(c, fx.Node) else None
-    eps = number(c) / 2 if jitter_node is None else concrete(meta_value(jitter_node))
+    eps, jitter_node = _half(thresholds.pop())
+    if not 0.0 <= eps < math.inf:
+        raise NoMatch(f"the sparsemixer's threshold is 2 * {eps}, not 2 * a finite number >= 0")
     return SparsemixerMatch(scores=s, weights=cats[0], jitter_eps=eps, jitter_node=jitter_node,
                             softmax_fp32=s_meta.dtype in (torch.float32, torch.float64), masks=frozenset(masks))
 
 
-def _runtime_half(c: fx.Node) -> fx.Node:
-    """e of a threshold ``2 * e`` that the graph computes from a float e it reads at run time (PhiMoE's
-    `2 * jitter_eps` where Dynamo traced the module's float attribute as an input): the op reads e."""
+def _half(c) -> tuple[float, fx.Node | None]:
+    """(jitter_eps, the float node the op reads it from at run time or None) of a threshold `c` = 2 * jitter_eps:
+    a number, or a node ``2 * e`` where the graph reads e at run time (PhiMoE's `2 * jitter_eps` where Dynamo
+    traced the module's float attribute as an input; after aot_autograd has it specialised, e is a number)."""
+    if number(c) is not None:
+        return number(c) / 2, None
     if op_name(c) == "mul" and len(c.args) == 2:
         for a, b in (c.args, c.args[::-1]):
+            if number(a) == 2.0 and number(b) is not None:
+                return number(b), None
             if number(a) == 2.0 and is_runtime_float(b):
-                return b
+                return concrete(meta_value(b)), b
     raise NoMatch(runtime_float_reason(f"the sparsemixer's threshold ({c.name}, not 2 * a float)"))
-

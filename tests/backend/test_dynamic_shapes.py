@@ -44,6 +44,7 @@ def _set(attr: str, value: float):
     ("gpt_oss", _set("experts.limit", 0.5)),                    # the clamped SwiGLU's limit (its alpha is read too)
     ("ernie4_5_moe", _set("gate.norm_min", 0.6)),               # the renormalisation's clamp minimum
     ("deepseek_v4", _set("experts.limit", 0.5)),                # transformers >= 5.25
+    ("phimoe", _set("router.router_jitter_noise", 0.3)),        # the sparsemixer's threshold, 2 * jitter_eps
 ])
 def test_float_attributes_read_at_run_time_under_dynamic_true(family, change):
     """torch.compile(dynamic=True) traces a module's float attributes as graph inputs (DeepSeek-V3's routed scale,

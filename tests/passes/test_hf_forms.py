@@ -582,10 +582,10 @@ def test_longcat_flash_variant_with_hf_identity_term_fused():
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
 
 
-def _phimoe_block(dtype=torch.float32, impl="grouped_mm", sparsemixer=None, train=False):
+def _phimoe_block(dtype=torch.float32, impl="grouped_mm", sparsemixer=None, train=False, dynamic=False):
     """PhiMoE's block (routed by its sparsemixer, weights std 0.2 so that logits spread), captured on a [2, 5, 64]
     input: (gm, example_inputs, eager output). `sparsemixer`: a function replacing HF's (near misses); `train`: the
-    block in training mode (its sparsemixer samples)."""
+    block in training mode (its sparsemixer samples); `dynamic`: captured with dynamic=True."""
     modeling = pytest.importorskip("transformers.models.phimoe.modeling_phimoe")
     block = make_block("phimoe", dtype=dtype, experts_implementation=impl)
     init_moe_weights_(block, std=0.2)
@@ -594,7 +594,7 @@ def _phimoe_block(dtype=torch.float32, impl="grouped_mm", sparsemixer=None, trai
         if sparsemixer is not None:
             patch.setattr(modeling, "sparsemixer", sparsemixer)
         torch.manual_seed(0)
-        (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+        (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype), dynamic=dynamic)
     return (*graph, eager)
 
 
@@ -616,15 +616,16 @@ def test_phimoe_sparsemixer_fused(dtype, impl):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
-def _sparsemixer(compare=torch.gt, factor="clamp", second="scatter", order=(0, 1)):
+def _sparsemixer(compare=torch.gt, factor="clamp", second="scatter", order=(0, 1), times=2):
     """PhiMoE's inference sparsemixer as a replacement of HF's, with one thing changed for a near miss: the mask's
     `compare`, its `factor` ("clamp": |s| clamped below by the round's largest; "abs": |s| alone), what the `second`
-    round runs on ("scatter": the scores without the first pick; "scores": all of them) and the weights' `order`."""
+    round runs on ("scatter": the scores without the first pick; "scores": all of them), the weights' `order` and
+    the threshold, `times` * jitter_eps."""
     def sparsemixer(scores, jitter_eps, training, top_k=2):
         def one_round(left):
             top, idx = left.max(dim=-1, keepdim=True)
             f = scores.abs().clamp(min=top) if factor == "clamp" else scores.abs()
-            drop = compare((top - scores) / f, 2 * jitter_eps)
+            drop = compare((top - scores) / f, times * jitter_eps)
             return torch.softmax(left.masked_fill(drop, float("-inf")), dim=-1).gather(dim=-1, index=idx), idx
 
         w1, i1 = one_round(scores)
@@ -656,6 +657,23 @@ def test_phimoe_near_miss_sparsemixers_not_fused(change, reason):
     assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
     assert reason in report.blocks[0].reason, report.blocks[0].reason
     torch.testing.assert_close(_output(run(gm, example)), eager, atol=0, rtol=0)
+
+
+def test_phimoe_runtime_threshold_fused_as_a_node():
+    """Under dynamic=True Dynamo traces PhiMoE's float `router_jitter_noise` as a graph input (a SymFloat read with
+    `.item()`, doubled for the threshold): fused, the op reading that node as its `jitter_eps` (the report holds the
+    traced value); a threshold that is 3 times it is not the op's, and is left unfused with the fix."""
+    gm, example, eager = _phimoe_block(dynamic=True)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and report.blocks[0].routing.jitter_eps == 0.1, str(report)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert isinstance(op.kwargs["jitter_eps"], torch.fx.Node)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
+
+    gm, example, eager = _phimoe_block(sparsemixer=_sparsemixer(times=3), dynamic=True)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
+    assert "specialize_float = True" in report.blocks[0].reason, report.blocks[0].reason
 
 
 def test_phimoe_training_form_not_fused():
