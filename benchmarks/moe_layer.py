@@ -1,7 +1,7 @@
 """One MoE layer on the GPU: mok's fused op against transformers' own block, eager and compiled.
 
     python -m benchmarks.moe_layer --out DIR [--shapes qwen3,mixtral,deepseek_v3,deepseek_v2,gpt_oss,ernie,llama4,
-                                              deepseek_v4,deepseek_v4_hash,longcat,inkling2]
+                                              deepseek_v4,deepseek_v4_hash,longcat,inkling2,phimoe]
         [--tokens 256,4096] [--mode reduce-overhead]
 
 For each shape and token count T, in bf16 with random weights (std 0.02):
@@ -73,6 +73,9 @@ SHAPES = {
     # Inkling2 (transformers >= 5.25) at a third of its 384 experts: an fp32 sigmoid router with a selection bias, its
     # softcapped SwiGLU (the op's softcapped_swiglu), fp32 routing weights.
     "inkling2": ("inkling2", BlockSizes(hidden=4608, intermediate=2304, experts=128, top_k=8), {}, (256, 4096)),
+    # Phi-3.5-MoE: 16 experts, top-2 by its sparsemixer (at inference; its threshold 2 * 0.01), bf16 weights.
+    "phimoe": ("phimoe", BlockSizes(hidden=4096, intermediate=6400, experts=16, top_k=2),
+               dict(router_jitter_noise=0.01), (256, 4096)),
 }
 
 
