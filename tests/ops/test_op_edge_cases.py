@@ -21,7 +21,8 @@ fused_moe = torch.ops.mok.fused_moe.default
 
 EDGE_CASES = [CASES_BY_NAME[n] for n in ("softmax_topk_renorm_scale_wdtype", "topk_softmax_logits",
                                          "sigmoid_deepseek_v3", "clamped_silu_gpt_oss", "relu2_transposed_bias",
-                                         "llama4_weight_on_input", "weight_on_input_softmax_topk_bias")]
+                                         "llama4_weight_on_input", "weight_on_input_softmax_topk_bias",
+                                         "sparsemixer_phimoe_bf16")]
 
 
 def _present(args):
