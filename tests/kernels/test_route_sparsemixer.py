@@ -23,6 +23,7 @@ EDGES = [
     [0.0, -1.0, 0.0, -3.0, -0.5, -2.0, -0.25, -4.0],  # largest 0, tied
     [-1.0, -1.1, -1.3, -2.0, -1.05, -5.0, -1.2, -3.0],  # all negative: max(|s|, m) is |s|
     [2.0, 1.7, 1.6, 1.59, -2.0, 0.0, 1.0, 1.8],      # near the threshold 2 * 0.1 of the largest
+    [5.0, 4.0, 3.9, -1.0, 0.0, 2.0, 1.0, -3.0],      # (5 - 4) / 5 is the threshold in every dtype: kept (not >)
 ]
 
 

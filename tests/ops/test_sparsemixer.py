@@ -2,7 +2,8 @@
 
 The random cases of `moe_cases.py` cover it against the dense oracle, gradcheck and the C++ kernel; here the C++
 kernel (the CPU key) and the reference are checked bit for bit against PhiMoE's own `sparsemixer` on equal logits,
-zeros, a negative largest logit, thresholds met exactly, and 16-bit rows whose ratios round onto the threshold.
+zeros, a negative largest logit, a logit kept and one dropped, and random rows (in 16 bits their ratios round onto
+the rounded threshold now and then).
 """
 
 import pytest
@@ -17,7 +18,8 @@ EDGES = [
     [0.0] * 6,                                    # 0 / 0 ratios: kept
     [0.0, -1.0, 0.0, -3.0, -0.5, -2.0],           # largest 0, tied
     [-1.0, -1.1, -1.3, -2.0, -1.05, -5.0],        # all negative: max(|s|, m) is |s|
-    [2.0, 1.6, 1.5, 2.4, -2.0, 0.0],              # (2.4 - 2.0) / 2.0: the threshold 0.2 up to rounding
+    [2.0, 1.6, 1.5, 2.4, -2.0, 0.0],              # (2.4 - 2.0) / max(2.0, 2.4) = 1/6: 2.0 kept, 1.6 (1/3) not
+    [5.0, 4.0, 3.9, -1.0, 0.0, 2.0],              # (5 - 4) / 5: the threshold 2 * 0.1 in every dtype: kept (not >)
 ]
 
 
@@ -46,8 +48,8 @@ def test_op_routes_as_phimoe_at_edge_logits(dtype):
     assert torch.equal(w, want_w) and torch.equal(ref_w, want_w)
     assert ids[:3].tolist() == [[0, 1], [0, 1], [0, 2]]
     assert w[0].tolist() == [torch.tensor(1 / 6, dtype=dtype).item(), torch.tensor(1 / 5, dtype=dtype).item()]
-    if dtype == torch.float32:  # fp32 rounds that ratio just below 0.2: 2.0 kept beside 2.4 in the first round
-        assert 0.0 < w[4, 0].item() < 1.0
+    assert 0.0 < w[4, 0].item() < 1.0  # 2.0 kept beside 2.4 in the first round
+    assert w[5, 0] == torch.softmax(torch.tensor([5.0, 4.0], dtype=dtype), dim=0)[0]  # 4.0 kept, 3.9 dropped
 
 
 @pytest.mark.parametrize("change, message", [
