@@ -57,6 +57,34 @@ class IndexAddLoopMoE(nn.Module):
         return out.reshape(B, S, H), router_logits
 
 
+class SparsemixerLoopMoE(IndexAddLoopMoE):
+    """PhiMoE's inference routing written from scratch (two rounds of max, relative mask, masked softmax at the pick)
+    in front of the 4.x expert loop."""
+
+    def __init__(self, jitter_eps=0.2, **kw):
+        super().__init__(top_k=2, **kw)
+        self.jitter_eps = jitter_eps
+
+    def forward(self, hidden_states):
+        B, S, H = hidden_states.shape
+        x = hidden_states.view(-1, H)
+        logits = self.gate(x)
+        left, weights, selected = logits, [], []
+        for _ in range(2):
+            top, pick = left.max(dim=-1, keepdim=True)
+            far = (top - logits) / logits.abs().clamp(min=top) > 2 * self.jitter_eps
+            weights.append(F.softmax(left.masked_fill(far, float("-inf")), dim=-1).gather(-1, pick))
+            selected.append(pick)
+            left = torch.scatter(left, -1, pick, float("-inf"))
+        weights, selected = torch.cat(weights, dim=-1), torch.cat(selected, dim=-1)
+        out = torch.zeros((B * S, H), dtype=x.dtype, device=x.device)
+        mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            idx, top_x = torch.where(mask[e])
+            out.index_add_(0, top_x, self.experts[e](x[top_x]) * weights[top_x, idx, None])
+        return out.reshape(B, S, H)
+
+
 class DenseMaskMoE(nn.Module):
     """Research-code style: every expert runs on every token, weights picked with ids == e, summed."""
 

@@ -50,6 +50,17 @@ def test_index_add_module_loop(renormalize):
     torch.testing.assert_close(logits, eager[1], **TOL)
 
 
+@pytest.mark.usefixtures("capture_dynamic_output_shapes")
+def test_sparsemixer_routing_with_a_module_loop():
+    """A from-scratch sparsemixer (PhiMoE's inference routing) in front of an expert loop: fused as the op's
+    routing="sparsemixer" with its threshold."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.SparsemixerLoopMoE(), torch.randn(2, 5, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "module_loop")], str(report)
+    assert (report.blocks[0].routing.routing, report.blocks[0].routing.jitter_eps) == ("sparsemixer", 0.2)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
 def test_dense_mask_loop():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.DenseMaskMoE(), torch.randn(2, 5, 32))
