@@ -182,11 +182,11 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
                                  const OptTensor& expert_scale, at::ScalarType x_dtype, const MoeOptions& o) {
   // The values the top-k ranks are `scores` plus the selection bias, which only chooses: the weights start
   // from the unbiased scores at the chosen experts.
-  Tensor scores, top, ids;
   if (o.routing == "sparsemixer") {
-    std::tie(top, ids) = sparsemixer(o.softmax_fp32 ? upcast(logits) : logits, o.top_k, o.jitter_eps);
-    return finish_weights(top, ids, expert_scale, x_dtype, o);
+    auto [w, picked] = sparsemixer(o.softmax_fp32 ? upcast(logits) : logits, o.top_k, o.jitter_eps);
+    return finish_weights(w, picked, expert_scale, x_dtype, o);
   }
+  Tensor scores;
   if (o.routing == "softmax_topk") {
     scores = at::softmax(logits, -1, o.softmax_fp32 ? acc_dtype(logits.scalar_type()) : logits.scalar_type());
   } else if (o.routing == "topk_softmax") {
@@ -202,6 +202,7 @@ std::tuple<Tensor, Tensor> route(const Tensor& logits, const OptTensor& selectio
   }
   Tensor choice = selection_bias.has_value() ? scores + *selection_bias : scores;
   if (o.n_group > 1) choice = grouped_choice(choice, o.n_group, o.topk_group, o.group_top);
+  Tensor top, ids;
   if (expert_ids.has_value()) {
     ids = expert_ids->to(at::kLong, /*non_blocking=*/false, /*copy=*/true);  // an output never aliases an input
     const int64_t E = logits.size(1);
