@@ -116,6 +116,19 @@ def sparsemixer_threshold(logits, softmax_fp32: bool, jitter_eps: float) -> floa
     return _rounded(2 * jitter_eps, torch.float32 if softmax_fp32 else logits.dtype)
 
 
+def _runs_low(logits, softmax_fp32: bool) -> bool:
+    """Whether the routing's scores are computed, and rounded, in the logits' 16-bit dtype (SOFTMAX_LOW)."""
+    return (not softmax_fp32) and logits.dtype != torch.float32
+
+
+def _sparsemixer_args(routing, logits, softmax_fp32: bool, jitter_eps: float) -> dict:
+    """The routing kernels' sparsemixer arguments (its rounded threshold), computed only for that routing: the
+    host path of every other routing is not charged for them."""
+    if routing != "sparsemixer":
+        return {}
+    return dict(threshold=sparsemixer_threshold(logits, softmax_fp32, jitter_eps))
+
+
 @functools.cache
 def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=dtype))
@@ -329,12 +342,12 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
             counts if counts is not None else dispatch.bucket_count,  # fused: not written
             T, E, logits.stride(0), E // n_group if grouped else E, float(renorm_eps), float(routed_scale),
             K=top_k, K_PAD=next_power_of_2(top_k), ROUTING=ROUTING_CODES[routing],
-            SOFTMAX_LOW=(not softmax_fp32) and logits.dtype != torch.float32,
+            SOFTMAX_LOW=_runs_low(logits, softmax_fp32),
             HAS_SEL_BIAS=selection_bias is not None, SEL_LOW=_selection_rounds(logits, selection_bias, routing,
                                                                                softmax_fp32),
             N_GROUP=n_group if grouped else 1, TOPK_GROUP=topk_group if grouped else 1,
             G_PAD=next_power_of_2(max(n_group, 2)), GROUP_TOP=group_top, RENORM=renormalize,
-            renorm_min=float(renorm_min), threshold=sparsemixer_threshold(logits, softmax_fp32, jitter_eps),
+            renorm_min=float(renorm_min), **_sparsemixer_args(routing, logits, softmax_fp32, jitter_eps),
             BLOCK_T=block_t, BLOCK_E=block_e, num_warps=routing_warps(block_t, block_e),
             **({} if not fused else dict(
                 expert_count_ptr=dispatch.bucket_count, expert_start_ptr=dispatch.bucket_start,
@@ -518,8 +531,7 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
             T, E, logits.stride(0), dw_parts.shape[0], T * K, float(renorm_eps), float(routed_scale),
             K=K, K_PAD=next_power_of_2(K), ROUTING=ROUTING_CODES[routing], RENORM=renormalize,
             HAS_EXTRA=dw_extra is not None, BLOCK_T=block_t, BLOCK_E=block_e, renorm_min=float(renorm_min),
-            threshold=sparsemixer_threshold(logits, softmax_fp32, jitter_eps),
-            LOW=(not softmax_fp32) and logits.dtype != torch.float32,
+            LOW=_runs_low(logits, softmax_fp32), **_sparsemixer_args(routing, logits, softmax_fp32, jitter_eps),
             num_warps=routing_warps(block_t, block_e), **scaled,
         )
     return dl if expert_scale is None else (dl, dscale_sorted)
