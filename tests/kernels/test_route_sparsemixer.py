@@ -15,22 +15,13 @@ _CASE = r"""
 import torch
 from mok_compile.kernels.routing import route, route_backward
 from mok_compile.ops import reference
+from tests.ops.moe_cases import SPARSEMIXER_EDGE_LOGITS, sparsemixer_logits
 
-E = 8
-EDGES = [
-    [1.0] * E,                                       # all equal: picks 0, then 1; every ratio 0, all kept
-    [0.0] * E,                                       # all zero: 0 / 0 ratios, all kept
-    [0.0, -1.0, 0.0, -3.0, -0.5, -2.0, -0.25, -4.0],  # largest 0, tied
-    [-1.0, -1.1, -1.3, -2.0, -1.05, -5.0, -1.2, -3.0],  # all negative: max(|s|, m) is |s|
-    [2.0, 1.7, 1.6, 1.59, -2.0, 0.0, 1.0, 1.8],      # near the threshold 2 * 0.1 of the largest
-    [5.0, 4.0, 3.9, -1.0, 0.0, 2.0, 1.0, -3.0],      # (5 - 4) / 5 is the threshold in every dtype: kept (not >)
-]
+EDGES = len(SPARSEMIXER_EDGE_LOGITS)
 
 
 def compare(device, dtype, jitter_eps=0.1, rows=256, K=2):
-    gen = torch.Generator().manual_seed(0)
-    rand = torch.randn(rows, E, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
-    logits = torch.cat([torch.tensor(EDGES), rand]).to(device=device, dtype=dtype)
+    logits = sparsemixer_logits(dtype, rows=rows, device=device)
     res = {}
     for softmax_fp32 in (False, True):
         kw = dict(top_k=K, routing="sparsemixer", softmax_fp32=softmax_fp32, renormalize=False, renorm_eps=0.0,
@@ -48,7 +39,7 @@ def compare(device, dtype, jitter_eps=0.1, rows=256, K=2):
                                               softmax_fp32=softmax_fp32, jitter_eps=jitter_eps)[0]
         ulp = torch.finfo(dtype).eps
         res[str(softmax_fp32)] = dict(
-            ids_equal=bool(torch.equal(ids, want_ids)), edge_ids=ids[:len(EDGES)].tolist(),
+            ids_equal=bool(torch.equal(ids, want_ids)), edge_ids=ids[:EDGES].tolist(),
             w_ulps=((w.double() - want_w.double()).abs() / (ulp * want_w.double().abs())).max().item(),
             dl_err=((dl.double() - dl_truth).abs().max() / dl_truth.abs().max()).item(),
             kept=[int(k) for k in (reference.sparsemixer_gates(logits, logits.double(), want_ids, jitter_eps) > 0)

@@ -295,6 +295,25 @@ def _sparsemixer(s, k: int, threshold: float):
     return chosen, torch.stack(weights)
 
 
+# Router logits where a sparsemixer is easy to get wrong, one row each.
+SPARSEMIXER_EDGE_LOGITS = [
+    [1.0] * 6,                                    # all equal: picks 0 then 1, all kept
+    [0.0] * 6,                                    # 0 / 0 ratios: kept
+    [0.0, -1.0, 0.0, -3.0, -0.5, -2.0],           # largest 0, tied
+    [-1.0, -1.1, -1.3, -2.0, -1.05, -5.0],        # all negative: max(|s|, m) is |s|
+    [2.0, 1.6, 1.5, 2.4, -2.0, 0.0],              # (2.4 - 2.0) / max(2.0, 2.4) = 1/6: 2.0 kept, 1.6 (1/3) not
+    [5.0, 4.0, 3.9, -1.0, 0.0, 2.0],              # (5 - 4) / 5: the threshold 2 * 0.1 in every dtype: kept (not >)
+]
+
+
+def sparsemixer_logits(dtype, rows=200, seed=0, device="cpu"):
+    """[6 + rows, 6] logits: `SPARSEMIXER_EDGE_LOGITS`, then random rows of random spread (in 16 bits their ratios
+    round onto the rounded threshold now and then)."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = torch.randn(rows, 6, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+    return torch.cat([torch.tensor(SPARSEMIXER_EDGE_LOGITS), rand]).to(device=device, dtype=dtype)
+
+
 def dense_oracle(args, kwargs):
     """(out [T, H], weights {(t, expert): w}) of the MoE, token by token; differentiable.
 

@@ -1,9 +1,9 @@
 """The op's sparsemixer routing (PhiMoE at inference) at logits where it is easy to get wrong, and its bad input.
 
 The random cases of `moe_cases.py` cover it against the dense oracle, gradcheck and the C++ kernel; here the C++
-kernel (the CPU key) and the reference are checked bit for bit against PhiMoE's own `sparsemixer` on equal logits,
-zeros, a negative largest logit, a logit kept and one dropped, and random rows (in 16 bits their ratios round onto
-the rounded threshold now and then).
+kernel (the CPU key) and the reference are checked bit for bit against PhiMoE's own `sparsemixer` on
+`moe_cases.sparsemixer_logits`: equal logits, zeros, a negative largest logit, a logit kept and one dropped, one
+exactly at the threshold, and random rows.
 """
 
 import pytest
@@ -11,16 +11,7 @@ import torch
 
 from mok_compile.ops import reference
 
-from .moe_cases import CASES_BY_NAME, make_args
-
-EDGES = [
-    [1.0] * 6,                                    # all equal: picks 0 then 1, all kept
-    [0.0] * 6,                                    # 0 / 0 ratios: kept
-    [0.0, -1.0, 0.0, -3.0, -0.5, -2.0],           # largest 0, tied
-    [-1.0, -1.1, -1.3, -2.0, -1.05, -5.0],        # all negative: max(|s|, m) is |s|
-    [2.0, 1.6, 1.5, 2.4, -2.0, 0.0],              # (2.4 - 2.0) / max(2.0, 2.4) = 1/6: 2.0 kept, 1.6 (1/3) not
-    [5.0, 4.0, 3.9, -1.0, 0.0, 2.0],              # (5 - 4) / 5: the threshold 2 * 0.1 in every dtype: kept (not >)
-]
+from .moe_cases import CASES_BY_NAME, make_args, sparsemixer_logits
 
 
 def _phimoe_sparsemixer(logits, jitter_eps):
@@ -28,16 +19,10 @@ def _phimoe_sparsemixer(logits, jitter_eps):
     return modeling.sparsemixer(logits, jitter_eps=jitter_eps, training=False)
 
 
-def _logits(dtype, rows=200, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rand = torch.randn(rows, 6, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
-    return torch.cat([torch.tensor(EDGES), rand]).to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_op_routes_as_phimoe_at_edge_logits(dtype):
     """The op's weights and ids (C++ kernel) and the reference's are PhiMoE's, bitwise."""
-    logits = _logits(dtype)
+    logits = sparsemixer_logits(dtype)
     case = CASES_BY_NAME["sparsemixer_phimoe_bf16"]
     args, kw = make_args(case, T=logits.shape[0], dtype=dtype)
     kw = {**kw, "router_is_logits": True, "jitter_eps": 0.1}
