@@ -57,9 +57,29 @@ class IndexAddLoopMoE(nn.Module):
         return out.reshape(B, S, H), router_logits
 
 
+def sparsemixer(compare=torch.gt, factor="clamp", second="scatter", order=(0, 1), times=2):
+    """PhiMoE's inference sparsemixer written from scratch, with HF's signature `(scores, jitter_eps, training,
+    top_k)` (so it can replace HF's), and with one thing changed for a near miss: the mask's `compare`, its `factor`
+    ("clamp": |s| clamped below by the round's largest; "abs": |s| alone), what the `second` round runs on
+    ("scatter": the scores without the first pick; "scores": all of them), the weights' `order` and the threshold,
+    `times` * jitter_eps."""
+    def replacement(scores, jitter_eps, training, top_k=2):
+        def one_round(left):
+            top, idx = left.max(dim=-1, keepdim=True)
+            f = scores.abs().clamp(min=top) if factor == "clamp" else scores.abs()
+            drop = compare((top - scores) / f, times * jitter_eps)
+            return torch.softmax(left.masked_fill(drop, float("-inf")), dim=-1).gather(dim=-1, index=idx), idx
+
+        w1, i1 = one_round(scores)
+        w2, i2 = one_round(torch.scatter(scores, -1, i1, float("-inf")) if second == "scatter" else scores)
+        weights = (w1, w2)
+        return torch.cat((weights[order[0]], weights[order[1]]), dim=-1), torch.cat((i1, i2), dim=-1)
+
+    return replacement
+
+
 class SparsemixerLoopMoE(IndexAddLoopMoE):
-    """PhiMoE's inference routing written from scratch (two rounds of max, relative mask, masked softmax at the pick)
-    in front of the 4.x expert loop."""
+    """PhiMoE's inference routing written from scratch (`sparsemixer`) in front of the 4.x expert loop."""
 
     def __init__(self, jitter_eps=0.2, **kw):
         super().__init__(top_k=2, **kw)
@@ -68,15 +88,7 @@ class SparsemixerLoopMoE(IndexAddLoopMoE):
     def forward(self, hidden_states):
         B, S, H = hidden_states.shape
         x = hidden_states.view(-1, H)
-        logits = self.gate(x)
-        left, weights, selected = logits, [], []
-        for _ in range(2):
-            top, pick = left.max(dim=-1, keepdim=True)
-            far = (top - logits) / logits.abs().clamp(min=top) > 2 * self.jitter_eps
-            weights.append(F.softmax(left.masked_fill(far, float("-inf")), dim=-1).gather(-1, pick))
-            selected.append(pick)
-            left = torch.scatter(left, -1, pick, float("-inf"))
-        weights, selected = torch.cat(weights, dim=-1), torch.cat(selected, dim=-1)
+        weights, selected = sparsemixer()(self.gate(x), self.jitter_eps, training=False)
         out = torch.zeros((B * S, H), dtype=x.dtype, device=x.device)
         mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
         for e in range(self.num_experts):

@@ -13,6 +13,7 @@ from mok_compile.passes import fuse_moe
 from mok_compile.passes.op_names import module_path, op_name, tensor_meta
 
 from .helpers import capture, count_fused, ops_in, run
+from .models import sparsemixer
 
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 EXPECTED_FORM = {("grouped_mm", torch.bfloat16): "grouped_mm", ("grouped_mm", torch.float32): "grouped_mm_fallback",
@@ -617,29 +618,9 @@ def test_phimoe_sparsemixer_fused(dtype, impl):
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
-def _sparsemixer(compare=torch.gt, factor="clamp", second="scatter", order=(0, 1), times=2):
-    """PhiMoE's inference sparsemixer as a replacement of HF's, with one thing changed for a near miss: the mask's
-    `compare`, its `factor` ("clamp": |s| clamped below by the round's largest; "abs": |s| alone), what the `second`
-    round runs on ("scatter": the scores without the first pick; "scores": all of them), the weights' `order` and
-    the threshold, `times` * jitter_eps."""
-    def sparsemixer(scores, jitter_eps, training, top_k=2):
-        def one_round(left):
-            top, idx = left.max(dim=-1, keepdim=True)
-            f = scores.abs().clamp(min=top) if factor == "clamp" else scores.abs()
-            drop = compare((top - scores) / f, times * jitter_eps)
-            return torch.softmax(left.masked_fill(drop, float("-inf")), dim=-1).gather(dim=-1, index=idx), idx
-
-        w1, i1 = one_round(scores)
-        w2, i2 = one_round(torch.scatter(scores, -1, i1, float("-inf")) if second == "scatter" else scores)
-        weights = (w1, w2)
-        return torch.cat((weights[order[0]], weights[order[1]]), dim=-1), torch.cat((i1, i2), dim=-1)
-
-    return sparsemixer
-
-
 def test_phimoe_sparsemixer_written_again_fused():
     """The near misses' own sparsemixer, unchanged: fused (they fail on what they change)."""
-    gm, example, eager = _phimoe_block(sparsemixer=_sparsemixer())
+    gm, example, eager = _phimoe_block(sparsemixer=sparsemixer())
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [True], str(report)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
@@ -653,7 +634,7 @@ def test_phimoe_sparsemixer_written_again_fused():
 ], ids=["ge", "no_clamp", "same_expert_twice", "weights_swapped"])
 def test_phimoe_near_miss_sparsemixers_not_fused(change, reason):
     """Near misses of the sparsemixer, each left as it is with its reason."""
-    gm, example, eager = _phimoe_block(sparsemixer=_sparsemixer(**change))
+    gm, example, eager = _phimoe_block(sparsemixer=sparsemixer(**change))
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
     assert reason in report.blocks[0].reason, report.blocks[0].reason
@@ -671,7 +652,7 @@ def test_phimoe_runtime_threshold_fused_as_a_node():
     assert isinstance(op.kwargs["jitter_eps"], torch.fx.Node)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
 
-    gm, example, eager = _phimoe_block(sparsemixer=_sparsemixer(times=3), dynamic=True)
+    gm, example, eager = _phimoe_block(sparsemixer=sparsemixer(times=3), dynamic=True)
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
     assert "specialize_float = True" in report.blocks[0].reason, report.blocks[0].reason
