@@ -48,9 +48,10 @@ def _set(attr: str, value: float):
 ])
 def test_float_attributes_read_at_run_time_under_dynamic_true(family, change):
     """torch.compile(dynamic=True) traces a module's float attributes as graph inputs (DeepSeek-V3's routed scale,
-    GPT-OSS's and DeepSeek-V4's clamp limit and alpha, Ernie 4.5's clamp minimum): the block fuses with the op
-    reading them (aot_autograd then has Dynamo specialise them behind guards). Outputs as eager's at two token
-    counts, and after an attribute changes (a guard fails: recompiled, fused again)."""
+    GPT-OSS's and DeepSeek-V4's clamp limit and alpha, Ernie 4.5's clamp minimum, PhiMoE's jitter_eps, doubled for
+    its sparsemixer's threshold): the block fuses with the op reading them (aot_autograd then has Dynamo specialise
+    them behind guards). Outputs as eager's at two token counts, and after an attribute changes (a guard fails:
+    recompiled, fused again)."""
     from mok_compile import hf_blocks
 
     if not hf_blocks.available([family]):
