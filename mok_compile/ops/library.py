@@ -35,7 +35,8 @@ _SCALARS = (
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
-    "float renorm_min=0.0, int group_top=2, int identity_experts=0, float jitter_eps=0.0"
+    "float renorm_min=0.0, int group_top=2, int identity_experts=0, float jitter_eps=0.0, str post_norm='none', "
+    "float post_norm_eps=1e-06, float post_norm_offset=0.0"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -49,8 +50,13 @@ _GIVEN_IDS = "Tensor? expert_ids=None"
 # pair's weight, after the renormalisation and `routed_scale`, is multiplied by its expert's value (in the weights'
 # accumulation dtype, before their cast). It has a gradient: the backward's `grad_expert_scale`.
 _EXPERT_SCALE = "Tensor? expert_scale=None"
+# `post_norm_weight` [H] or [E, H] (one row per expert): the weight of the post-expert norm (`post_norm`, see
+# `ExpertSpec`), needed where it is not "none"; it has a gradient: the backward's `grad_post_norm_weight`.
+_POST_NORM_WEIGHT = "Tensor? post_norm_weight=None"
+_LEARNED_SCHEMA = f"{_EXPERT_SCALE}, {_POST_NORM_WEIGHT}"
+LEARNED_KWARGS = ("expert_scale", "post_norm_weight")  # the keyword tensors with a gradient (autograd's inputs)
 FUSED_MOE_SCHEMA = (
-    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_EXPERT_SCALE}) "
+    f"fused_moe(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_LEARNED_SCHEMA}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids)"
 )
 # `gate_up_out`: h = x @ W1 per pair in expert-sorted order (before bias and activation), saved by
@@ -61,12 +67,13 @@ FUSED_MOE_SCHEMA = (
 _SAVED_ROUTING = "Tensor? router_logits=None, Tensor? routing_layout=None"
 _GRADS = (
     "(Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
-    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias, Tensor? grad_expert_scale)"
+    "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias, Tensor? grad_expert_scale, "
+    "Tensor? grad_post_norm_weight)"
 )
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None, {_SAVED_ROUTING}, "
-    f"{_EXPERT_SCALE}) -> {_GRADS}"
+    f"{_LEARNED_SCHEMA}) -> {_GRADS}"
 )
 
 # The forward autograd runs when gradients are needed (`_saves_gate_up`: CUDA and CPU kernels): also
@@ -74,7 +81,7 @@ FUSED_MOE_BACKWARD_SCHEMA = (
 # router logits ([0, E] where the router argument is the logits) and the dispatch layout; the C++ kernel,
 # whose backward recomputes its own, returns them empty.
 FUSED_MOE_TRAIN_SCHEMA = (
-    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_EXPERT_SCALE}) "
+    f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_LEARNED_SCHEMA}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out, Tensor router_logits, "
     "Tensor routing_layout)"
 )
@@ -88,7 +95,7 @@ FUSED_MOE_TRAIN_SCHEMA = (
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False, "
-    f"{_SAVED_ROUTING}, {_EXPERT_SCALE}) -> {_GRADS}"
+    f"{_SAVED_ROUTING}, {_LEARNED_SCHEMA}) -> {_GRADS}"
 )
 
 lib = torch.library.Library("mok", "DEF")
@@ -205,6 +212,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _check_expert_scale(kw["expert_scale"], x, E, kw["weight_on_input"])
         if Z:
             _fail("expert_scale is not supported with identity_experts")
+    if kw["post_norm"] != "none" or kw.get("post_norm_weight") is not None:
+        _check_post_norm(kw.get("post_norm_weight"), x, E, down_bias, kw)
     if Z and kw["weight_on_input"]:
         _fail("identity_experts is not supported with weight_on_input=True")
     if routing not in ROUTINGS:
@@ -216,7 +225,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if not 1 <= topk_group <= n_group or top_k > topk_group * (R // n_group):
             _fail(f"topk_group={topk_group} (n_group={n_group}) leaves fewer than top_k={top_k} experts")
     try:
-        ExpertSpec(activation=activation, gated=gated, interleaved=kw["interleaved"])
+        ExpertSpec(activation=activation, gated=gated, interleaved=kw["interleaved"], post_norm=kw["post_norm"],
+                   post_norm_eps=kw["post_norm_eps"])
     except ValueError as err:
         _fail(str(err))
     if activation == "softcapped_swiglu" and gated and not (kw["alpha"] > 0 and kw["limit"] > 0):
@@ -260,6 +270,28 @@ def _check_expert_scale(scale, x, num_experts, weight_on_input):
         _fail(f"expert_scale is on {scale.device} but hidden_states is on {x.device}")
     if weight_on_input:
         _fail("expert_scale is not supported with weight_on_input=True")
+
+
+def _check_post_norm(weight, x, num_experts, down_bias, kw):
+    """A post-expert norm: its kind and its weight ([H] or [E, H] floating point on x's device) together, on
+    experts whose outputs the routing weights scale, without a down bias or identity experts (no model has them
+    with the norm, and the kernels do not take them together)."""
+    kind, H = kw["post_norm"], x.shape[1]
+    if weight is None or kind == "none":
+        _fail(f"post_norm={kind!r} with post_norm_weight={'None' if weight is None else 'a tensor'}: a post-expert "
+              "norm needs both its kind and its weight")
+    if tuple(weight.shape) not in ((H,), (num_experts, H)):
+        _fail(f"post_norm_weight must be [H={H}] or [E={num_experts}, H={H}], got shape {tuple(weight.shape)}")
+    if weight.dtype not in _FLOAT_DTYPES:
+        _fail(f"post_norm_weight has unsupported dtype {weight.dtype}")
+    if weight.device != x.device:
+        _fail(f"post_norm_weight is on {weight.device} but hidden_states is on {x.device}")
+    if not abs(kw["post_norm_offset"]) < float("inf"):
+        _fail(f"post_norm_offset must be finite, got {kw['post_norm_offset']}")
+    for name, unsupported in (("weight_on_input=True", kw["weight_on_input"]), ("down_bias", down_bias is not None),
+                              ("identity_experts", kw["identity_experts"])):
+        if unsupported:
+            _fail(f"post_norm is not supported with {name}")
 
 
 def checked_kwargs(tensors, kw) -> dict:
@@ -331,6 +363,7 @@ def _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router,
         torch.empty_like(down_proj),
         None if down_bias is None else torch.empty_like(down_bias),
         None if kw.get("expert_scale") is None else torch.empty_like(kw["expert_scale"]),
+        None if kw.get("post_norm_weight") is None else torch.empty_like(kw["post_norm_weight"]),
     )
 
 
@@ -340,7 +373,7 @@ def _fused_moe_backward_consume_fake(grad_out, grad_topk_weights, hidden_states,
                                      gate_up_out, **kw):
     return _fused_moe_backward_fake(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
                                     gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
-                                    expert_scale=kw.get("expert_scale"))
+                                    **{k: kw.get(k) for k in LEARNED_KWARGS})
 
 
 def graph_is_freed() -> bool:
@@ -463,25 +496,24 @@ class _FusedMoeFunction(torch.autograd.Function):
     with the CUDA or C++ kernels also h = x @ W1 per pair (K * 2I elements per token), which saves the
     backward a third of the forward's FLOPs (and a second read of W1 at few tokens). With the CUDA kernels
     also the router logits (E elements per token) and the dispatch layout (K * 8 bytes per token): the
-    backward skips the router GEMM and 3 launches. `args`: the op's 8 tensor arguments, then its
-    `expert_scale` where given (an argument here, so that it gets a gradient)."""
+    backward skips the router GEMM and 3 launches. `args`: the op's 8 tensor arguments, then those of its
+    `LEARNED_KWARGS` that are given, named by `learned` (arguments here, so that they get gradients)."""
 
     @staticmethod
-    def forward(ctx, keyset, kwargs, *args):
-        scale = args[8:]
+    def forward(ctx, keyset, kwargs, learned, *args):
+        extra = args[8:]
         args = args[:8]
-        if scale:
-            kwargs = {**kwargs, "expert_scale": scale[0]}
+        kwargs = {**kwargs, **dict(zip(learned, extra))}
         if _saves_gate_up(args, kwargs):
             out, weights, ids, *saved = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
             out = (out, weights, ids)
-            ctx.save_for_backward(*args, weights, ids, *scale, *saved)  # saved: h, router logits, dispatch layout
+            ctx.save_for_backward(*args, weights, ids, *extra, *saved)  # saved: h, router logits, dispatch layout
         else:
             out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
-            ctx.save_for_backward(*args, out[1], out[2], *scale)
-        # The backward reads topk_ids, not the given ids; the scale comes back from the saved tensors.
-        ctx.kwargs = {k: v for k, v in kwargs.items() if k not in ("expert_ids", "expert_scale")}
-        ctx.scaled = bool(scale)
+            ctx.save_for_backward(*args, out[1], out[2], *extra)
+        # The backward reads topk_ids, not the given ids; the learned tensors come back from the saved ones.
+        ctx.kwargs = {k: v for k, v in kwargs.items() if k != "expert_ids" and k not in LEARNED_KWARGS}
+        ctx.learned = learned
         ctx.mark_non_differentiable(out[2])
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros to add
         return out
@@ -490,13 +522,13 @@ class _FusedMoeFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_topk_weights, _grad_ids):
         saved = ctx.saved_tensors
         tensors, topk_weights, topk_ids = saved[:8], saved[8], saved[9]
-        kwargs, rest = ctx.kwargs, saved[10:]
-        if ctx.scaled:
-            kwargs, rest = {**kwargs, "expert_scale": rest[0]}, rest[1:]
+        n = len(ctx.learned)
+        extra, rest = saved[10:10 + n], saved[10 + n:]
+        kwargs = {**ctx.kwargs, **dict(zip(ctx.learned, extra))}
         if grad_out is None:
             grad_out = torch.zeros_like(tensors[0])
         args = (grad_out, grad_topk_weights, *tensors, topk_weights, topk_ids)
-        keyset = _keyset_of((*args, *rest, kwargs.get("expert_scale")))
+        keyset = _keyset_of((*args, *rest, *extra))
         if not rest:
             grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, kwargs)
         else:
@@ -507,10 +539,11 @@ class _FusedMoeFunction(torch.autograd.Function):
                 grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, h), kwargs)
             else:
                 grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, {**kwargs, "gate_up_out": h})
-        d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias, d_scale = grads
+        d_x, d_router, d_router_bias, d_gu, d_gu_bias, d_down, d_down_bias, *learned_grads = grads
+        learned_grads = dict(zip(LEARNED_KWARGS, learned_grads))
         # selection_bias only chooses experts: it has no gradient (as in HF, where it is a buffer).
-        return (None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias,
-                *((d_scale,) if ctx.scaled else ()))
+        return (None, None, None, d_x, d_router, d_router_bias, None, d_gu, d_gu_bias, d_down, d_down_bias,
+                *(learned_grads[k] for k in ctx.learned))
 
 
 def _gate_up_out_is_dead(h) -> bool:
@@ -532,12 +565,11 @@ def _call(op, keyset, args, kwargs):
 
 
 def _fused_moe_autograd(keyset, *args, **kwargs):
-    scale = kwargs.get("expert_scale")
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, scale):
-        if scale is None:
-            return _FusedMoeFunction.apply(keyset, kwargs, *args)
-        kwargs = {k: v for k, v in kwargs.items() if k != "expert_scale"}
-        return _FusedMoeFunction.apply(keyset, kwargs, *args, scale)
+    learned = tuple(k for k in LEARNED_KWARGS if kwargs.get(k) is not None)
+    extra = tuple(kwargs[k] for k in learned)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args, *extra):
+        kwargs = {k: v for k, v in kwargs.items() if k not in learned}
+        return _FusedMoeFunction.apply(keyset, kwargs, learned, *args, *extra)
     return _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
 
 

@@ -236,6 +236,46 @@ def _project(x, weight, bias, transposed):
     return out if bias is None else out + bias
 
 
+def post_norm_scale(weight, offset):
+    """g = (offset + weight).float(): the sum in the weight's dtype, as HF's `(1.0 + self.weight).float()`."""
+    return _upcast(weight + offset if offset else weight)
+
+
+def _rms(v, eps):
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def apply_post_norm(y, g, *, kind, eps):
+    """A post-expert norm (`ExpertSpec.post_norm`) of rows y ([n, H], in the experts' dtype) with g ([H] or [n, H],
+    from `post_norm_scale`)."""
+    if kind == "rms":  # Ergo: F.rms_norm(y.float()) * w[e]
+        return (F.rms_norm(_upcast(y), (y.shape[-1],), eps=eps) * g).to(y.dtype)
+    # Muse Spark: scaled, rounded to y's dtype, then normalised
+    return _rms(_upcast((_upcast(y) * g).to(y.dtype)), eps).to(y.dtype)
+
+
+def post_norm_backward(y, g, dn, *, kind, eps):
+    """(dy, dg) of `apply_post_norm` in the accumulation dtype (its roundings read as the identity): dn is d(output) of
+    rows y, dg has dn's shape (summed over the rows by the caller where g is shared)."""
+    a = _upcast(y)
+    if kind == "rms":
+        r = torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps)
+        u = a * r
+        dg = dn * u
+        du = dn * g
+        return r * (du - u * (du * u).mean(-1, keepdim=True)), dg
+    b = a * g
+    r = torch.rsqrt(b.pow(2).mean(-1, keepdim=True) + eps)
+    u = b * r
+    db = r * (dn - u * (dn * u).mean(-1, keepdim=True))
+    return db * g, db * a
+
+
+def expert_post_norm_scale(weight, e, offset):
+    """g for expert e's rows: its row of a per-expert weight ([E, H]), else the shared one ([H])."""
+    return post_norm_scale(weight[e] if weight.dim() == 2 else weight, offset)
+
+
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
     """Stable order of the T*K (token, slot) pairs by expert, and per-expert counts."""
     flat = topk_ids.reshape(-1)
@@ -245,9 +285,11 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int):
 
 
 def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, down_proj, down_bias, *,
-                      activation, gated, interleaved, transposed, alpha, limit, weight_on_input=False):
+                      activation, gated, interleaved, transposed, alpha, limit, weight_on_input=False,
+                      post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0, post_norm_weight=None):
     """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs; a pair whose id is past the experts
-    (an identity expert's) adds nothing here.
+    (an identity expert's) adds nothing here. With a `post_norm`, each pair's expert output is normalised
+    (`apply_post_norm`) before its weight.
 
     weight_on_input: sum_k expert_{ids[t,k]}((x[t] * w[t,k]).to(x.dtype)) instead (Llama4); the product is
     taken in the promoted dtype of x and w, as PyTorch's `x * w` would.
@@ -267,7 +309,11 @@ def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, dow
         rows = slice(start, start + n)
         h = _project(xs[rows], gate_up_proj[e], None if gate_up_bias is None else gate_up_bias[e], transposed)
         a = activate(h, activation=activation, gated=gated, interleaved=interleaved, alpha=alpha, limit=limit)
-        ys[rows] = _project(a, down_proj[e], None if down_bias is None else down_bias[e], transposed)
+        y = _project(a, down_proj[e], None if down_bias is None else down_bias[e], transposed)
+        if post_norm != "none":
+            y = apply_post_norm(y, expert_post_norm_scale(post_norm_weight, e, post_norm_offset), kind=post_norm,
+                                eps=post_norm_eps)
+        ys[rows] = y
         start += n
     y = torch.empty_like(ys)
     y[order] = ys
@@ -289,7 +335,8 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
                         weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0,
-                        expert_ids=None, expert_scale=None):
+                        post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0, expert_ids=None,
+                        expert_scale=None, post_norm_weight=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
@@ -300,7 +347,8 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                    jitter_eps=jitter_eps)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
-                            weight_on_input=weight_on_input)
+                            weight_on_input=weight_on_input, post_norm=post_norm, post_norm_eps=post_norm_eps,
+                            post_norm_offset=post_norm_offset, post_norm_weight=post_norm_weight)
     if identity_experts:  # each rounded to x's dtype, then added (LongCat-Flash)
         out = out + (x * identity_weight(w, ids, gate_up_proj.shape[0])).to(x.dtype)
     return out, w, ids
@@ -451,17 +499,20 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0, gate_up_out=None,
-                                 router_logits=None, routing_layout=None, expert_scale=None):
+                                 renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0, post_norm="none",
+                                 post_norm_eps=1e-6, post_norm_offset=0.0, gate_up_out=None, router_logits=None,
+                                 routing_layout=None, expert_scale=None, post_norm_weight=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 
     weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.
     identity_experts: an identity pair adds w * x to the output: d w = <go, x> and d x += w * go.
+    post_norm: a pair adds w * n(y): d w = <go, n(y)>, and d y, d g from `post_norm_backward` of w * go.
 
     Returns (grad_hidden_states, grad_router, grad_router_bias, grad_gate_up_proj, grad_gate_up_bias,
-    grad_down_proj, grad_down_bias, grad_expert_scale); gradients are None where their input is None.
+    grad_down_proj, grad_down_bias, grad_expert_scale, grad_post_norm_weight); gradients are None where their
+    input is None.
     """
     x = hidden_states
     T, H = x.shape
@@ -480,6 +531,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     d_b1 = None if b1s is None else torch.zeros_like(b1s)
     d_b2 = None if b2s is None else torch.zeros_like(b2s)
     d_wts = torch.zeros(T * K, dtype=acc, device=x.device)
+    d_pn = None if post_norm_weight is None else torch.zeros_like(post_norm_weight, dtype=acc)
 
     order, counts = group_by_expert(topk_ids, E)
     tok = order // K
@@ -502,8 +554,14 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
             dy = go[t]
         else:
             y = _project(a, w2s[e], None if b2s is None else b2s[e], transposed)
-            d_wts[pairs] = (go[t] * y).sum(dim=-1)
             dy = go[t] * wts.view(-1)[pairs].unsqueeze(-1)
+            if post_norm != "none":
+                g = expert_post_norm_scale(post_norm_weight, e, post_norm_offset).to(acc)
+                d_wts[pairs] = (go[t] * apply_post_norm(y, g, kind=post_norm, eps=post_norm_eps)).sum(dim=-1)
+                dy, dg = post_norm_backward(y, g, dy, kind=post_norm, eps=post_norm_eps)
+                d_pn[e if d_pn.dim() == 2 else slice(None)] += dg.sum(dim=0)
+            else:
+                d_wts[pairs] = (go[t] * y).sum(dim=-1)
         if transposed:  # y = a @ W2, W2: [I, H]
             d_w2[e] = a.t() @ dy
             da = dy @ w2s[e].t()
@@ -554,4 +612,5 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
         d_w2.to(down_proj.dtype),
         None if d_b2 is None else d_b2.to(down_bias.dtype),
         None if d_scale is None else d_scale.to(expert_scale.dtype),
+        None if d_pn is None else d_pn.to(post_norm_weight.dtype),
     )

@@ -51,6 +51,8 @@ SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
 GROUPED_ROUTINGS = ("softmax_topk", *SCORE_ROUTINGS)
 GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
+# A per-pair RMSNorm of each expert's output, before the routing weight (`ExpertSpec.post_norm`).
+POST_NORMS = ("none", "rms", "scaled_rms")
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,14 @@ class ExpertSpec:
         (Inkling2: ``cap(g, alpha) * sigmoid(g) * cap(u, limit)`` with ``cap(v, c) =
         tanh(v / c) * c``, in fp32 and rounded once); for ungated ones
         ``relu2``, ``relu``, ``silu``, ``gelu`` or ``gelu_tanh``.
+    post_norm: an RMSNorm of each pair's expert output y (a row of H), before
+        its routing weight; ``g = (post_norm_offset + weight).float()``, with
+        ``weight`` the op's ``post_norm_weight`` ([H], or [E, H]: its expert's
+        row), the sum taken in the weight's dtype, and ``rms(v) = v *
+        rsqrt(mean(v^2) + post_norm_eps)`` in fp32 (the accumulation dtype):
+        ``rms``: ``(rms(y.float()) * g).to(y.dtype)`` (Ergo's per-expert norm);
+        ``scaled_rms``: ``rms((y.float() * g).to(y.dtype).float()).to(y.dtype)``
+        (Muse Spark's input-scaled norm, offset 1).
     """
 
     activation: str = "silu"
@@ -152,8 +162,15 @@ class ExpertSpec:
     transposed: bool = False
     alpha: float = 1.702
     limit: float = 7.0
+    post_norm: str = "none"
+    post_norm_eps: float = 1e-6
+    post_norm_offset: float = 0.0
 
     def __post_init__(self):
+        if self.post_norm not in POST_NORMS:
+            raise ValueError(f"post_norm={self.post_norm!r} is not one of {POST_NORMS}")
+        if not 0.0 <= self.post_norm_eps < float("inf"):
+            raise ValueError(f"post_norm_eps must be a finite number >= 0, got {self.post_norm_eps}")
         allowed = GATED_ACTIVATIONS if self.gated else UNGATED_ACTIVATIONS
         if self.activation not in allowed:
             kind = "gated" if self.gated else "ungated"
