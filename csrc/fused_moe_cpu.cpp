@@ -74,6 +74,9 @@ struct MoeOptions {
   int64_t group_top;
   int64_t identity_experts;  // router choices past the experts: their pairs pass the token through, weighted
   double jitter_eps;         // the sparsemixer's mask threshold is 2 * jitter_eps
+  std::string post_norm;     // "none", "rms" or "scaled_rms": a norm of each pair's expert output (spec.ExpertSpec)
+  double post_norm_eps;
+  double post_norm_offset;
 };
 
 Tensor sum_last(const Tensor& t) { return t.sum(at::IntArrayRef{-1}, /*keepdim=*/true); }
@@ -593,6 +596,43 @@ Tensor identity_weight(const Tensor& topk_weights, const Tensor& topk_ids, int64
 
 // ----------------------------------------------------------------------------- forward
 
+// ----------------------------------------------------------------------------- post-expert norm
+
+// g of expert e's rows: (offset + weight).float(), the sum in the weight's dtype (reference.post_norm_scale); the
+// weight is [H] (shared) or [E, H] (per expert).
+Tensor post_norm_scale(const Tensor& weight, int64_t e, const MoeOptions& o) {
+  const Tensor w = weight.dim() == 2 ? weight.select(0, e) : weight;
+  return upcast(o.post_norm_offset != 0.0 ? w + o.post_norm_offset : w);
+}
+
+Tensor rms(const Tensor& v, double eps) { return v * at::rsqrt(v.pow(2).mean(at::IntArrayRef{-1}, true) + eps); }
+
+// The post-expert norm of rows y in y's dtype (reference.apply_post_norm): "rms" normalises then scales (Ergo),
+// "scaled_rms" scales, rounds to y's dtype, then normalises (Muse Spark).
+Tensor apply_post_norm(const Tensor& y, const Tensor& g, const MoeOptions& o) {
+  if (o.post_norm == "rms") {
+    return (at::rms_norm(upcast(y), {y.size(-1)}, std::nullopt, o.post_norm_eps) * g).to(y.scalar_type());
+  }
+  return rms(upcast((upcast(y) * g).to(y.scalar_type())), o.post_norm_eps).to(y.scalar_type());
+}
+
+// (dy, dg) of `apply_post_norm` in y's (accumulation) dtype from dn = d(its output) (reference.post_norm_backward);
+// dg has dn's shape: the caller sums it over the rows.
+std::pair<Tensor, Tensor> post_norm_backward(const Tensor& y, const Tensor& g, const Tensor& dn, const MoeOptions& o) {
+  const double eps = o.post_norm_eps;
+  if (o.post_norm == "rms") {
+    const Tensor r = at::rsqrt(y.pow(2).mean(at::IntArrayRef{-1}, true) + eps);
+    const Tensor u = y * r;
+    const Tensor du = dn * g;
+    return {r * (du - u * (du * u).mean(at::IntArrayRef{-1}, true)), dn * u};
+  }
+  const Tensor b = y * g;
+  const Tensor r = at::rsqrt(b.pow(2).mean(at::IntArrayRef{-1}, true) + eps);
+  const Tensor u = b * r;
+  const Tensor db = r * (dn - u * (dn * u).mean(at::IntArrayRef{-1}, true));
+  return {db * g, db * y};
+}
+
 // Each expert's rows go through gather -> GEMM (+ bias) -> activation -> GEMM (+ bias) in one
 // pass, so its intermediate [n, 2I] activations stay in cache; the activation runs the
 // reference's ATen ops on the same per-expert blocks (same bits in bf16).
@@ -600,7 +640,7 @@ Tensor identity_weight(const Tensor& topk_weights, const Tensor& topk_ids, int64
 // expert-sorted rows, which the backward reads instead of recomputing that GEMM.
 Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor& topk_ids, const Tensor& gate_up,
                        const OptTensor& gate_up_bias, const Tensor& down, const OptTensor& down_bias,
-                       const MoeOptions& o, Tensor* h_saved = nullptr) {
+                       const MoeOptions& o, const OptTensor& post_norm_weight, Tensor* h_saved = nullptr) {
   const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0);
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
@@ -621,6 +661,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
     Tensor y_e = ys.narrow(0, s, n);
     at::mm_out(y_e, activate(h_e, o), as_right_factor(down.select(0, e), o.transposed));
     if (down_bias.has_value()) y_e.add_(down_bias->select(0, e));
+    if (o.post_norm != "none") y_e.copy_(apply_post_norm(y_e, post_norm_scale(*post_norm_weight, e, o), o));
   });
   return combine(ys, topk_weights, g, T, H, /*weighted=*/!o.weight_on_input);
 }
@@ -633,50 +674,46 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
       double renorm_min, int64_t group_top, int64_t identity_experts, double jitter_eps,                       \
-      const OptTensor &expert_ids, const OptTensor &expert_scale
+      c10::string_view post_norm, double post_norm_eps, double post_norm_offset, const OptTensor &expert_ids,    \
+      const OptTensor &expert_scale, const OptTensor &post_norm_weight
+#define MOK_CPU_FORWARD_VALUES                                                                                   \
+  hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias, top_k,   \
+      routing, router_is_logits, router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,      \
+      topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha, limit, weight_on_input,       \
+      renorm_min, group_top, identity_experts, jitter_eps, post_norm, post_norm_eps, post_norm_offset,           \
+      expert_ids, expert_scale, post_norm_weight
 
 // (out, topk_weights, topk_ids, h before bias in sorted rows if `save_h`, else undefined).
 std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bool save_h) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts, jitter_eps};
+                     identity_experts, jitter_eps, std::string(post_norm), post_norm_eps, post_norm_offset};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
   Tensor logits = router_logits(x, router, router_bias, o);
   auto [w, ids] = route(logits, selection_bias, expert_ids, expert_scale, x.scalar_type(), o);
   Tensor h;
   Tensor out = experts_forward(x, w, ids, gate_up_proj.contiguous(), gate_up_bias, down_proj.contiguous(),
-                               down_bias, o, save_h ? &h : nullptr);
+                               down_bias, o, post_norm_weight, save_h ? &h : nullptr);
   // Identity experts' pairs: + (x * the token's identity weight), each term rounded to x's dtype (LongCat-Flash).
   if (o.identity_experts > 0) out.add_((x * identity_weight(w, ids, gate_up_proj.size(0))).to(x.scalar_type()));
   return {out, w, ids, h};
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_moe_forward(MOK_CPU_FORWARD_ARGS) {
-  auto [out, w, ids, h] = forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj,
-                                       gate_up_bias, down_proj, down_bias, top_k, routing, router_is_logits,
-                                       router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
-                                       topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha,
-                                       limit, weight_on_input, renorm_min, group_top, identity_experts, jitter_eps,
-                                       expert_ids, expert_scale,
-                                       /*save_h=*/false);
+  auto [out, w, ids, h] = forward_impl(MOK_CPU_FORWARD_VALUES, /*save_h=*/false);
   return {out, w, ids};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> fused_moe_train(MOK_CPU_FORWARD_ARGS) {
-  return forward_impl(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                      down_bias, top_k, routing, router_is_logits, router_fp32, softmax_fp32, renormalize,
-                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, activation, gated, interleaved,
-                      transposed, alpha, limit, weight_on_input, renorm_min, group_top, identity_experts, jitter_eps,
-                      expert_ids, expert_scale,
-                      /*save_h=*/true);
+  return forward_impl(MOK_CPU_FORWARD_VALUES, /*save_h=*/true);
 }
 
 // ----------------------------------------------------------------------------- backward
 
 
-using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using BackwardResult = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
 BackwardResult fused_moe_backward(
     const Tensor& grad_out, const OptTensor& grad_topk_weights, const Tensor& hidden_states, const Tensor& router,
@@ -687,11 +724,13 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    int64_t identity_experts, double jitter_eps, const OptTensor& gate_up_out, const OptTensor& expert_scale) {
+    int64_t identity_experts, double jitter_eps, c10::string_view post_norm, double post_norm_eps,
+    double post_norm_offset, const OptTensor& gate_up_out, const OptTensor& expert_scale,
+    const OptTensor& post_norm_weight) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts, jitter_eps};
+                     identity_experts, jitter_eps, std::string(post_norm), post_norm_eps, post_norm_offset};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
   const int64_t T = x.size(0), H = x.size(1), E = gate_up_proj.size(0);
@@ -730,9 +769,11 @@ BackwardResult fused_moe_backward(
   advise_huge_pages(d_w2);
   Tensor d_b1 = gate_up_bias.has_value() ? at::empty(gate_up_bias->sizes(), acc_opts) : Tensor();
   Tensor d_b2 = down_bias.has_value() ? at::empty(down_bias->sizes(), acc_opts) : Tensor();
+  const bool normed = o.post_norm != "none";
+  Tensor d_pn = normed ? at::empty({E, H}, acc_opts) : Tensor();  // each expert's part of d(post_norm_weight)
   for (int64_t e = 0; e < E; ++e) {
     if (g.count(e) > 0) continue;
-    for (Tensor* t : {&d_w1, &d_w2, &d_b1, &d_b2}) {
+    for (Tensor* t : {&d_w1, &d_w2, &d_b1, &d_b2, &d_pn}) {
       if (t->defined()) t->select(0, e).zero_();
     }
   }
@@ -742,6 +783,8 @@ BackwardResult fused_moe_backward(
   //   h (read from gate_up_out when the training forward saved it, else recomputed) and a = act(h);
   //   g2 = go @ W2'^T; d(routing weight) = <go, y> = <g2, a> + <go, b2> (no second forward GEMM);
   //   da = w * g2, dy = w * go, dW2 and db2 from dy; dh = act'(h) da; dW1, db1, dx from dh.
+  // post_norm: out += w * n(y), so y = a @ W2' is recomputed: d(routing weight) = <go, n(y)>, and dy, dg from
+  //   the norm's backward of w * go; then da = dy @ W2'^T.
   // weight_on_input: h = (w x) @ W1' + b1 and out += y, so dy = go, da = g2, dW1 from w x, and
   //   with dxs = dh @ W1'^T: d(routing weight) = <dxs, x>, dx = w * dxs.
   for_each_expert(g, 3 * H * up_out + 2 * inter * H, [&](int64_t e) {
@@ -763,9 +806,21 @@ BackwardResult fused_moe_backward(
     }
     const Tensor a_e = activate(h_e, o);
 
-    Tensor da_e = at::mm(go_e, w2.t());
     Tensor dw_e = dw_rows.narrow(0, s, n);
-    if (!o.weight_on_input) {
+    Tensor da_e;
+    if (normed) {
+      const Tensor y_e = at::mm(a_e, w2);
+      const Tensor g_e = post_norm_scale(*post_norm_weight, e, o).to(acc);
+      at::sum_out(dw_e, go_e * apply_post_norm(y_e, g_e, o), at::IntArrayRef{-1});
+      auto [dy, dg] = post_norm_backward(y_e, g_e, go_e * w_e, o);
+      Tensor d_pn_e = d_pn.select(0, e);
+      at::sum_out(d_pn_e, dg, at::IntArrayRef{0});
+      go_e = dy;
+      da_e = at::mm(go_e, w2.t());
+    } else {
+      da_e = at::mm(go_e, w2.t());
+    }
+    if (!o.weight_on_input && !normed) {
       at::sum_out(dw_e, da_e * a_e, at::IntArrayRef{-1});
       if (down_bias.has_value()) dw_e.add_(at::mv(go_e, down_bias->select(0, e).to(acc)));
       da_e.mul_(w_e);
@@ -830,6 +885,9 @@ BackwardResult fused_moe_backward(
       d_w2.to(down_proj.scalar_type()),
       d_b2.defined() ? d_b2.to(down_bias->scalar_type()) : Tensor(),
       d_scale.defined() ? d_scale.to(expert_scale->scalar_type()) : Tensor(),
+      // a shared weight's gradient: the experts' parts summed in expert order (deterministic)
+      normed ? (post_norm_weight->dim() == 2 ? d_pn : d_pn.sum(at::IntArrayRef{0})).to(post_norm_weight->scalar_type())
+             : Tensor(),
   };
 }
 
@@ -842,20 +900,23 @@ BackwardResult fused_moe_backward(
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
-  "float renorm_min, int group_top, int identity_experts, float jitter_eps"
+  "float renorm_min, int group_top, int identity_experts, float jitter_eps, str post_norm, float post_norm_eps, "   \
+  "float post_norm_offset"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"
 
+#define MOK_CPU_LEARNED "Tensor? expert_scale=None, Tensor? post_norm_weight=None"
+
 TORCH_LIBRARY(mok_cpu, m) {
   m.def("fused_moe(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
-        ", Tensor? expert_ids=None, Tensor? expert_scale=None) -> (Tensor, Tensor, Tensor)");
+        ", Tensor? expert_ids=None, " MOK_CPU_LEARNED ") -> (Tensor, Tensor, Tensor)");
   m.def("fused_moe_train(Tensor hidden_states, " MOK_CPU_WEIGHTS ", *, " MOK_CPU_SCALARS
-        ", Tensor? expert_ids=None, Tensor? expert_scale=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        ", Tensor? expert_ids=None, " MOK_CPU_LEARNED ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, " MOK_CPU_WEIGHTS
         ", Tensor topk_weights, Tensor topk_ids, *, " MOK_CPU_SCALARS
-        ", Tensor? gate_up_out, Tensor? expert_scale=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor)");
+        ", Tensor? gate_up_out, " MOK_CPU_LEARNED ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(mok_cpu, CPU, m) {

@@ -37,6 +37,9 @@ With ``identity_experts`` (LongCat-Flash) the router ranks E + Z choices; the ex
 into the experts' range, an identity pair's output is then replaced by zero (a select, never a product), and the
 identity term ``(x * identity_weight).to(x.dtype)`` is added to the combined output, as the reference does.
 
+With a ``post_norm`` each pair's output row is normalised (the reference's `apply_post_norm`) before the combine,
+with its expert's row of a per-expert weight (a gather) or the shared one.
+
 Used only on the export path (`decompose_fused_moe` rewrites a graph's calls);
 the fused op keeps its own kernels everywhere else.
 """
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.reference import activate, identity_weight, route, router_logits
+from ..ops.reference import activate, apply_post_norm, identity_weight, post_norm_scale, route, router_logits
 from ..ops.spec import with_defaults
 
 EXPERTS_FORMS = ("gather", "dense")
@@ -125,6 +128,9 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
                                alpha=kw["alpha"], limit=kw["limit"])
     if identity:  # an identity pair runs no expert
         y = torch.where((ids < E).unsqueeze(-1), y, 0.0)
+    if kw["post_norm"] != "none":  # each pair's row with its expert's g (a [E, H] weight) or the shared one
+        g = post_norm_scale(kw["post_norm_weight"], kw["post_norm_offset"])
+        y = apply_post_norm(y, g[ids] if g.dim() == 2 else g, kind=kw["post_norm"], eps=kw["post_norm_eps"])
     if weight_on_input:
         out = y.sum(dim=1).to(x.dtype)
     else:

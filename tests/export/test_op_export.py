@@ -282,10 +282,49 @@ def test_expert_scale_keeps_the_op_whole_and_decomposes_on_refbackend():
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
 
 
+class _NormedExperts(torch.nn.Module):
+    """Mixtral's routed experts with a post-expert norm: Ergo's per-expert one or Muse Spark's input-scaled one."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.moe = FusedMoE("mixtral")
+        shape = (SIZES.experts, SIZES.hidden) if kind == "rms" else (SIZES.hidden,)
+        self.register_buffer("norm", torch.rand(shape, generator=torch.Generator().manual_seed(2)) + 0.5)
+        self.kind = kind
+
+    def forward(self, x):
+        m = self.moe
+        norm = dict(post_norm=self.kind, post_norm_eps=1e-5, post_norm_offset=1.0 if self.kind == "scaled_rms" else 0.0)
+        return torch.ops.mok.fused_moe(x, *(getattr(m, n) for n in m.names), **{**m.kw, **norm},
+                                       post_norm_weight=self.norm)
+
+
+@pytest.mark.parametrize("kind", ["rms", "scaled_rms"])
+def test_post_norm_keeps_the_op_whole_and_decomposes_on_refbackend(kind):
+    """`post_norm` through both forms: one op taking the norm's weight, and linalg on RefBackend with the op's
+    numbers (each pair's row normalised with its expert's weight row, or the shared one)."""
+    moe = _NormedExperts(kind)
+    kept = export_mlir(moe, _x(5), output_type="torch", dynamic_shapes=(_tokens(),), fuse=False)
+    assert kept.num_fused_ops == 1
+    lowered = export_mlir(moe, _x(5), output_type="linalg-on-tensors", dynamic_shapes=(_tokens(),), fuse=False)
+    assert lowered.num_fused_ops == 0
+    run = RefBackendFunction(lowered.module)
+    for tokens in (1, 6, 37):
+        x = _x(tokens, seed=tokens)
+        out, weights, ids = run(x)
+        with torch.no_grad():
+            ref_out, ref_weights, ref_ids = moe(x)
+            unnormed = moe.moe(x)[0]
+        assert torch.equal(ids, ref_ids)
+        assert not torch.allclose(ref_out, unnormed)  # the norm is in the output
+        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+
+
 def test_abstract_interp_library_follows_the_schema():
     """The shape/dtype functions take every argument of the registered schema, the trailing ones included."""
     schema = torch.ops.mok.fused_moe.default._schema
-    assert [a.name for a in schema.arguments[-2:]] == ["expert_ids", "expert_scale"]
+    assert [a.name for a in schema.arguments[-3:]] == ["expert_ids", "expert_scale", "post_norm_weight"]
     text = abstract_interp_library()
     for fn in ("shape_fn", "dtype_fn"):
         sig = re.search(rf'__torch_mlir_{fn}\.torch\.mok\.fused_moe"\((.*?)\) ->', text).group(1)

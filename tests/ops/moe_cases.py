@@ -321,7 +321,8 @@ def dense_oracle(args, kwargs):
     which a kernel returns the k choices. With `expert_ids` in `kwargs` (given ids, which may repeat an expert
     in a row: then the key holds the last slot's weight) those are the chosen experts, in their order. With
     `expert_scale`, each weight is multiplied last by its expert's value. A choice past the experts (an identity
-    expert's) adds the token itself, weighted.
+    expert's) adds the token itself, weighted. With a `post_norm`, each expert's output is normalised before its
+    weight.
     """
     kw = with_defaults(kwargs)
     spec = ExpertSpec(**{f.name: kw[f.name] for f in dataclasses.fields(ExpertSpec)})
@@ -385,10 +386,22 @@ def dense_oracle(args, kwargs):
             o = a @ down[e] if spec.transposed else down[e] @ a
             if down_bias is not None:
                 o = o + down_bias[e]
+            if kw["post_norm"] != "none":
+                o = _post_norm(o, e, kw)
             y = y + (o if kw["weight_on_input"] else w[k] * o)
         outs.append(y)
     out = torch.stack(outs) if outs else x.new_zeros(0, H)
     return out, weights
+
+
+def _post_norm(o, e, kw):
+    """The post-expert norm of expert e's output o, from its definition: g = offset + weight (its expert's row of
+    a per-expert weight); "rms" normalises o, then scales it by g; "scaled_rms" scales first."""
+    weight = kw["post_norm_weight"]
+    g = (weight[e] if weight.dim() == 2 else weight) + kw["post_norm_offset"]
+    v = o if kw["post_norm"] == "rms" else o * g
+    v = v / torch.sqrt((v * v).mean() + kw["post_norm_eps"])
+    return v * g if kw["post_norm"] == "rms" else v
 
 
 def gradcheck_op(args, kw) -> bool:

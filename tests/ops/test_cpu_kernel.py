@@ -106,7 +106,7 @@ def assert_close_rel(actual, expected, rel, what):
 FP32_CANCELLATION_NOISE = 2e-5
 
 GRAD_NAMES = ("hidden_states", "router", "router_bias", "gate_up_proj", "gate_up_bias", "down_proj", "down_bias",
-              "expert_scale")
+              "expert_scale", "post_norm_weight")
 
 
 def check_against_reference(tensors, kw, fwd_rel, bwd_rel, seed=1):
@@ -230,7 +230,7 @@ def test_autograd_through_dispatcher_matches_reference():
     gen = torch.Generator().manual_seed(3)
     g_out, g_w = torch.randn(out.shape, generator=gen), torch.randn(w.shape, generator=gen)
     ((out * g_out).sum() + (w * g_w).sum()).backward()
-    grads = [leaves[i].grad for i in (0, 1, 2, 4, 5, 6, 7)] + [None]
+    grads = [leaves[i].grad for i in (0, 1, 2, 4, 5, 6, 7)] + [None, None]
     assert_grads_close(grads, (g_out, g_w, *tensors, w.detach(), ids), kw, bwd_rel=1e-6)
 
 
