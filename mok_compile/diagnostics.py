@@ -143,7 +143,7 @@ class ExplainReport:
 
 
 def describe_block(b) -> str:
-    """One line: E, top-k, H, I, routing family, expert variant, dtype, form."""
+    """One line: E, top-k, H, I, routing family, expert variant, post-norm, dtype, form."""
 
     sizes = (("E", b.num_experts), ("top_k", b.top_k), ("H", b.hidden), ("I", b.intermediate))
     parts = [f"{name}={value}" for name, value in sizes if value is not None]  # fragments lack some
@@ -169,6 +169,9 @@ def describe_block(b) -> str:
         flags = [name for name, on in (("ungated", not e.gated), ("interleaved", e.interleaved),
                                        ("transposed", e.transposed)) if on]
         parts.append(e.activation + (f"({', '.join(flags)})" if flags else ""))
+        if e.post_norm != "none":  # each expert's output normalised before its weight
+            offset = f", offset={e.post_norm_offset:g}" if e.post_norm_offset else ""
+            parts.append(f"post_norm={e.post_norm}(eps={e.post_norm_eps:g}{offset})")
     if b.dtype is not None:
         parts.append(str(b.dtype).replace("torch.", ""))
     if b.form:

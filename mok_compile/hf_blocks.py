@@ -50,6 +50,11 @@ _SINCE = {"longcat_flash": (5, 25)}
 # Families whose router and experts are separate modules of the decoder layer, with no MoE block class: whole models
 # only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
 LAYER_FAMILIES = ("gemma4",)
+# Families whose experts normalise each output row before its routing weight (the op's post_norm; transformers 5.25):
+# Muse Spark (an input-scaled RMSNorm; its router's logits are scaled and its experts run on a projection of the
+# tokens, so the logits are the op's router argument) and Ergo (an RMSNorm per expert; fused in fp32 only: in bf16
+# its routing weights are rounded to bf16 and widened again, which the op has no form for). Blocks and text models.
+POST_NORM_FAMILIES = ("muse_spark", "ergo")
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
 FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2")
 # Families whose selection bias alone HF keeps in fp32 in a bf16 model.
@@ -139,6 +144,15 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
             zero_expert_num=max(1, E // 2), moe_topk=K, routed_scaling_factor=6.0, num_layers=num_layers,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, head_dim=8, v_head_dim=16, vocab_size=128, max_position_embeddings=256)
+    elif family == "muse_spark":
+        # Its experts run at moe_hidden_size (the block projects the tokens down to it and back up).
+        cfg = tf.MuseSparkTextConfig(intermediate_size=2 * I, moe_intermediate_size=I, moe_hidden_size=3 * H // 4,
+                                     num_local_experts=E, head_dim=H // 4, sliding_window=32, bos_token_id=None,
+                                     eos_token_id=None, **common)
+    elif family == "ergo":
+        # Every layer MoE (no leading dense layers), a shared expert of size I.
+        cfg = tf.ErgoConfig(moe_intermediate_size=I, shared_intermediate_size=I, first_dense_intermediate_size=2 * I,
+                            num_dense_blocks=0, num_experts=E, head_dim=H // 4, sliding_window=32, **common)
     elif family == "phimoe":
         # Its sparsemixer's threshold 2 * router_jitter_noise at 0.1 rather than PhiMoE's 0.01, so that each round's
         # softmax keeps some other experts (and the router a gradient) at tiny random weights, and drops others.
@@ -152,7 +166,7 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
         raise ValueError(f"unknown family {family!r}; choose from "
-                         f"{ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES}")
+                         f"{ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES + POST_NORM_FAMILIES}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -195,6 +209,8 @@ def _block_class(family: str):
         "longcat_flash": "LongcatFlashMoE",
         "inkling2": "Inkling2SparseMoeBlock",
         "phimoe": "PhimoeSparseMoeBlock",
+        "muse_spark": "MuseSparkMoE",
+        "ergo": "ErgoMoE",
     }
     return getattr(mod, names[family])
 

@@ -6,6 +6,7 @@ Stacked weights (transformers 5.x ``*Experts``: grouped_mm, batched_mm, eager-wi
     h  = M1(x routed to e, W1[e]) (+ b1[e])        M1, M2: grouped_mm | bmm(W[ids], .) | matmul | linear
     a  = act(split(h))                             split: chunk(2) | [..., ::2], [..., 1::2] | none
     y  = M2(a, W2[e]) (+ b2[e])
+   [y  = post_norm(y)]                             an RMSNorm of each row (`post_norm.py`)
     out = combine(w * y)                           w: routing weights, reshaped/indexed only
 
 Per-expert weights (an ``nn.ModuleList`` of MLPs traced through a loop)::
@@ -31,6 +32,7 @@ from mok_compile.ops.spec import ExpertSpec
 from .dataflow import Dataflow
 from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, meta_value, number, op_name,
                        runtime_float_reason, tensor_meta)
+from .post_norm import PostNorm, check_post_norm_placement, find_post_norm
 from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
 from .validate import concrete
@@ -54,6 +56,7 @@ class ExpertsMatch:
     specs: list[ExpertSpec] = field(default_factory=list)  # candidates; validation keeps the first that matches
     identity_experts: int = 0  # router outputs past the experts' count (LongCat-Flash's zero-computation experts)
     runtime: dict = field(default_factory=dict)  # op arguments the graph reads at run time: {"alpha" | "limit": node}
+    post_norm: PostNorm | None = None  # an RMSNorm of each expert's output row (its weight: the op's post_norm_weight)
 
 
 def _is_interleave_slice(node: fx.Node) -> bool:
@@ -320,7 +323,8 @@ def _form(matmuls: list[fx.Node]) -> str:
     return "stacked_" + sorted(names)[0]
 
 
-def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, weights3d, biases2d) -> ExpertsMatch:
+def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, weights3d, biases2d,
+                          norm: PostNorm | None = None) -> ExpertsMatch:
     x_meta = tensor_meta(region.x)
     H, E = region.H, region.E
     matmuls = [n for n in region.nodes if op_name(n) in MATMUL_OPS and n is not region.router_linear]
@@ -375,11 +379,15 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
         form = "dense_bmm"
     else:
         check_weight_application(flow, region, router.weights, expert_path, [m2], identity=identity > 0)
-    specs = [ExpertSpec(activation=act, gated=gated, interleaved=interleaved, transposed=t, alpha=alpha, limit=limit)
-             for t, _ in layouts]
+    normed = {}
+    if norm is not None:
+        check_post_norm_placement(flow, region, norm, m2, router.weights)
+        normed = dict(post_norm=norm.kind, post_norm_eps=norm.eps, post_norm_offset=norm.offset)
+    specs = [ExpertSpec(activation=act, gated=gated, interleaved=interleaved, transposed=t, alpha=alpha, limit=limit,
+                        **normed) for t, _ in layouts]
     return ExpertsMatch(form=form, gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
                         down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs,
-                        identity_experts=identity, runtime=runtime)
+                        identity_experts=identity, runtime=runtime, post_norm=norm)
 
 
 def _identity_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -> int:
@@ -406,7 +414,8 @@ def _identity_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -
 
 def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> ExpertsMatch:
     """Experts of the region: stacked 3-D weights, or per-expert weights of a module loop."""
-    known = router.input_nodes() | ({region.ids} if region.given_ids else set())
+    norm = find_post_norm(region)
+    known = router.input_nodes() | ({region.ids} if region.given_ids else set()) | ({norm.weight} if norm else set())
     tensors = [n for n in region.inputs if n not in known and tensor_meta(n) is not None]
     weights3d = [n for n in tensors if tensor_meta(n).dim() == 3]
     if weights3d:
@@ -414,7 +423,10 @@ def match_experts(flow: Dataflow, region: Region, router: RouterMatch) -> Expert
         other = [n for n in tensors if n not in weights3d and n not in biases2d]
         if len(weights3d) != 2 or len(biases2d) > 2 or other:
             raise NoMatch(f"unexpected expert inputs {[n.name for n in tensors]} (expected two 3-D weights)")
-        return match_stacked_experts(flow, region, router, weights3d, biases2d)
+        return match_stacked_experts(flow, region, router, weights3d, biases2d, norm)
+    if norm is not None:
+        raise NoMatch("an RMSNorm of each expert's output in a loop over expert modules (the op's post_norm is matched "
+                      "for stacked expert weights)")
     from .loop_experts import match_loop_experts
 
     return match_loop_experts(flow, region, router, tensors)

@@ -123,8 +123,9 @@ def _minimal_kwargs(routing: RoutingSpec, experts: ExpertSpec) -> dict:
 
 def _roles(router: RouterMatch, experts: ExpertsMatch) -> dict:
     roles = {router.weight: "router"}
+    norm_weight = experts.post_norm.weight if experts.post_norm is not None else None
     for role, operand in (("router_bias", router.bias), ("selection_bias", router.selection_bias),
-                          ("expert_scale", router.expert_scale),
+                          ("expert_scale", router.expert_scale), ("post_norm_weight", norm_weight),
                           ("gate_up", experts.gate_up), ("gate_up_bias", experts.gate_up_bias),
                           ("down", experts.down), ("down_bias", experts.down_bias)):
         if isinstance(operand, Stack):
@@ -138,7 +139,8 @@ def _roles(router: RouterMatch, experts: ExpertsMatch) -> dict:
 
 def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
     out = []
-    for operand in (experts.gate_up, experts.gate_up_bias, experts.down, experts.down_bias):
+    norm_weight = experts.post_norm.weight if experts.post_norm is not None else None
+    for operand in (experts.gate_up, experts.gate_up_bias, experts.down, experts.down_bias, norm_weight):
         if isinstance(operand, Stack):
             out.extend(n for g in operand.groups for n in g)
         elif operand is not None:
@@ -175,6 +177,8 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     given = {"expert_ids": region.ids} if region.given_ids else {}  # tensors the op takes as keyword arguments
     if router.expert_scale is not None:
         given["expert_scale"] = router.expert_scale
+    if experts.post_norm is not None:
+        given["post_norm_weight"] = experts.post_norm.weight
     chosen, failures = None, []
     if not validate:
         if experts.identity_experts:

@@ -6,7 +6,11 @@
                                                          v
                                                        topk ──> w0 [T, K], ids [T, K]
     experts (any form: grouped_mm, W[ids] + bmm, per-expert Linear loops, masks)  <── ids, x
-        y_e ──> w * y_e ──> combine (sum over k, index_add_, +=) ──> out [T, H] (or root's shape)
+        y_e ─[RMSNorm]─> w * y_e ──> combine (sum over k, index_add_, +=) ──> out [T, H] (or root's shape)
+
+Where the experts compute on another activation than the router reads (Gemma 4, Muse Spark), or the logits are
+scaled by a number (Muse Spark's ``linear(x) * c``, which the op does not compute), the logits are an input of the
+block (the op's router argument) and its root is the activation whose rows the ids dispatch.
 
 Llama4's dense form (every expert runs on the input scaled by a -inf-scattered sigmoid score, outputs summed
 over the expert dimension) has the same anchor and region; `routing` and `experts` recognise it.
@@ -46,8 +50,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .dataflow import Dataflow
-from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, meta_value, number,
-                       op_name, tensor_meta)
+from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, is_runtime_float,
+                       meta_value, number, op_name, tensor_meta)
 
 
 class NoMatch(Exception):
@@ -58,6 +62,8 @@ class NoMatch(Exception):
         self.form = form
 
 
+# An RMSNorm's ops: in a block, of each expert's output before its weight (`post_norm.find_post_norm` places them).
+NORM_OPS = frozenset({"mean", "rsqrt", "rms_norm"})
 # Every op a fusable MoE block may contain; anything else in a candidate region rejects it.
 KNOWN_OPS = frozenset({
     "linear", "matmul", "mm", "bmm", "grouped_mm", "einsum", "softmax", "sigmoid", "topk", "getitem", "float",
@@ -74,7 +80,8 @@ KNOWN_OPS = frozenset({
     "max",  # a group's largest score in group-limited routing (DeepSeek-V2); `routing.match_router` places it
     "tanh",  # Inkling2's softcapped SwiGLU (`experts.activation_between` places it)
     "abs",  # the sparsemixer's masks (`sparsemixer.match_sparsemixer` places it)
-})
+    "new_ones",  # Ergo's unit weights of its one-route rows
+}) | NORM_OPS
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.
 # transformers 5.17's expert-parallel sentinel mask ``expert_ids >= num_experts``; never as thresholds on
@@ -104,7 +111,8 @@ def is_id_mask_fill(node: fx.Node) -> bool:
 
 
 # Ops that make a fresh tensor whose values do not depend on their input (only its shape/dtype).
-_FACTORIES = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones_like", "full", "new_zeros", "arange"})
+_FACTORIES = frozenset({"zeros", "zeros_like", "empty", "empty_like", "ones_like", "full", "new_zeros", "new_ones",
+                        "arange"})
 
 
 @dataclass
@@ -315,15 +323,34 @@ def _router_input(node: fx.Node) -> fx.Node:
         node = node.args[0]
 
 
+def _scaled_logits(n: fx.Node) -> fx.Node | None:
+    """The logits `l` of ``l * c``, ``c * l`` or ``l / c`` with c a number (or a float the graph reads at run time),
+    else None."""
+    if op_name(n) not in ("mul", "div") or len(n.args) != 2 or n.kwargs:
+        return None
+    a, b = n.args
+    scalar = lambda v: number(v) is not None or is_runtime_float(v)  # noqa: E731
+    if isinstance(a, fx.Node) and scalar(b):
+        return a
+    return b if op_name(n) == "mul" and isinstance(b, fx.Node) and scalar(a) else None
+
+
 def find_router(anchor: fx.Node, scores: fx.Node | None = None) -> tuple[fx.Node, fx.Node]:
     """(router linear, logits) behind a topk (or a gather of scores at given ids, or a sparsemixer's `scores`): walk
-    back through score ops to a linear (or an fp32-out mm)."""
+    back through score ops to a linear (or an fp32-out mm). Logits scaled by numbers (Muse Spark's
+    ``output_multiplier``) are the scaled ones: the op takes them as computed (router_is_logits), since it has no
+    such scale."""
     n = anchor.args[0] if scores is None else scores
+    scaled = None
     while isinstance(n, fx.Node):
         name = op_name(n)
         if name == "linear" or _fp32_router_mm(n):
-            return n, n
-        if isinstance(n.args[0], fx.Node) and (name in _ROUTER_CHAIN_OPS or shape_kept(n)):
+            return n, scaled or n
+        if (unscaled := _scaled_logits(n)) is not None:
+            scaled, n = scaled or n, unscaled
+            continue
+        if isinstance(n.args[0], fx.Node) and (name in CAST_OPS or shape_kept(n)
+                                               or scaled is None and name in _ROUTER_CHAIN_OPS):
             n = n.args[0]
             continue
         break
@@ -359,7 +386,7 @@ def _candidate_outputs(flow, ids, clean, x_meta, root_meta):
 
 
 def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], logits: fx.Node,
-                  root: fx.Node, thresholds=frozenset()):
+                  ids: fx.Node, root: fx.Node, thresholds=frozenset()):
     """Raise NoMatch unless `nodes` is a closed MoE region producing `out`. `thresholds`: comparisons matched as
     part of the routing (the sparsemixer's masks), which may compare scores."""
     for n in nodes:
@@ -378,17 +405,25 @@ def _check_region(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
     if any(flow.order[w] > out_pos for w in flow.writers.get(out, ())):
         raise NoMatch(f"the block output {out.name} is written in place later")
     routed = flow.forward_slice([logits], within=nodes)
+    # An RMSNorm in a block normalises each expert's output before its weight (`post_norm`): one of what the
+    # routing weights' values reach (past the ids, which only dispatch) lies after the weighting, or past the block.
+    weighted = flow.forward_slice([logits], within=nodes - {ids})
+    for n in nodes & weighted:
+        if op_name(n) in NORM_OPS:
+            raise NoMatch(f"op {op_name(n)!r} ({n.name}) normalises values the routing weights reach (a norm after "
+                          "the weighting, or of the block's output); the op's post_norm comes before the weights")
     expert_side = nodes - routed
     # A value computed from activations without the router (a shared expert, a dense expert of a mask loop)
-    # may join the routed path only through a product with routing weights. Views and casts pass, unless what
-    # they view is such a value (AFMoE's shared expert output, `.view(B, S, H)` before the sum).
+    # may join the routed path only through a product with routing weights. Views, casts and row copies (Ergo's
+    # tokens repeated once per route) pass, unless what they view is such a value (AFMoE's shared expert output,
+    # `.view(B, S, H)` before the sum).
     for n in routed:
         if op_name(n) == "mul":
             continue
         for a in n.all_input_nodes:
             if a not in expert_side or a is root or op_name(a) in _FACTORIES or _is_weight_prep(a, root, nodes):
                 continue
-            if op_name(a) in LAYOUT_OPS and not _computes_on_activations(flow, a, root, nodes):
+            if op_name(a) in LAYOUT_OPS | {"repeat_interleave"} and not _computes_on_activations(flow, a, root, nodes):
                 continue
             raise NoMatch(f"{a.name}, computed without the router, joins the routed output through "
                           f"{op_name(n)!r} ({n.name}); a shared expert stays outside the fused op")
@@ -402,9 +437,10 @@ def _computes_on_activations(flow: Dataflow, n: fx.Node, root: fx.Node, nodes) -
 
 
 # Ops that may transform a combined output but never combine one: a candidate that ends in one (past views and
-# casts), e.g. ``moe(x).pow(2)``, lies past the block, and a candidate before it is the block's output.
+# casts), e.g. ``moe(x).pow(2)`` or a projection of it (Muse Spark's post_expert_proj, at the experts' width), lies
+# past the block, and a candidate before it is the block's output.
 _AFTER_THE_COMBINE = frozenset({"pow", "square", "clamp", "clamp_min", "neg", "relu", "silu", "gelu", "gelu_tanh",
-                                "sigmoid", "softmax", "div", "sub"})
+                                "sigmoid", "softmax", "div", "sub", "linear"})
 
 
 def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set[fx.Node], routing_side: set,
@@ -488,23 +524,25 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     if anchors is None:
         anchors = block_anchors(gm, flow)
     search = _RegionSearch(gm, flow, anchor, ids, anchors, logits, given, mixer)
-    region = search.around(x, router_linear)
-    if region is not None:
-        return region
-    # The experts may compute on another tensor than the router reads (Gemma 4 normalises the residual twice, a
-    # router may read a detached copy): the logits are then an input of the block, as the op's router argument
-    # (router_is_logits), and what computes them stays in the graph.
+    if logits is router_linear:
+        region = search.around(x, router_linear)
+        if region is not None:
+            return region
+    # The experts may compute on another tensor than the router reads (Gemma 4 normalises the residual twice, Muse
+    # Spark projects and normalises it, a router may read a detached copy), or the op cannot compute the logits (they
+    # are scaled): the logits are then an input of the block, as the op's router argument (router_is_logits), and
+    # what computes them stays in the graph.
     first = search.reasons
-    foreign = _foreign_activation(flow, ids, search.clean, strip(x, VIEW_OPS), lmeta.shape[0])
-    if foreign is None:
+    activation = _experts_activation(flow, ids, lmeta.shape[0])
+    if activation is None or logits is router_linear and strip(activation, VIEW_OPS) is strip(x, VIEW_OPS):
         raise NoMatch(first[-1] if first else "found no combined [tokens, hidden] output of the experts")
     search.reasons = []
-    region = search.around(foreign, None)
+    region = search.around(activation, None)
     if region is not None:
         return region
     # Where the block did close around the router's input but failed a check, that reason stays the report's.
     raise NoMatch(first[-1] if first else search.reasons[-1] if search.reasons else
-                  f"found no combined [tokens, hidden] output of the experts computing on {foreign}")
+                  f"found no combined [tokens, hidden] output of the experts computing on {activation}")
 
 
 class _RegionSearch:
@@ -512,7 +550,7 @@ class _RegionSearch:
 
     def __init__(self, gm, flow, anchor, ids, anchors, logits, given, mixer=None):
         self.gm, self.flow, self.anchor, self.ids, self.anchors = gm, flow, anchor, ids, anchors
-        self.logits, self.given, self.reasons, self.clean = logits, given, [], set()
+        self.logits, self.given, self.reasons = logits, given, []
         self.mixer = mixer
 
     def around(self, x: fx.Node, router_linear: fx.Node | None) -> Region | None:
@@ -524,8 +562,6 @@ class _RegionSearch:
         root_meta = tensor_meta(root)
         outside = {logits} if router_linear is None else set()
         clean = _activation_clean(self.gm, flow, {root} | outside)
-        if router_linear is not None:
-            self.clean = clean
         later_blocks = flow.forward_slice([a for a, _ in self.anchors if a is not anchor and a in clean])
         candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
         is_input = lambda n: _is_source(n) or (given and n is ids) or n in outside  # noqa: E731
@@ -540,7 +576,7 @@ class _RegionSearch:
             if router_linear is None and logits not in inputs:
                 continue
             try:
-                routed = _check_region(flow, out, nodes, inputs | {root}, logits, root,
+                routed = _check_region(flow, out, nodes, inputs | {root}, logits, ids, root,
                                        self.mixer.masks if self.mixer is not None else frozenset())
                 _check_closed(flow, out, nodes, inputs, routing_side, root)
             except NoMatch as err:
@@ -556,24 +592,32 @@ class _RegionSearch:
         return None
 
 
-def _foreign_activation(flow: Dataflow, ids: fx.Node, clean: set[fx.Node], root: fx.Node, T) -> fx.Node | None:
-    """The [T, H] activation the experts compute on where it is not the router's input `root` (Gemma 4's experts
-    read a second normalisation of the residual, its router the first): behind the values the dispatched ids meet,
-    the one activation of T rows other than `root` that is not clean (computed from other activations) or is a
-    graph input other than a parameter (a module compiled alone takes its activation as a placeholder, as it takes
-    its weights; the ids also reach the later layers, whose weights may have T rows: Gemma 4's global attention's
-    query projection has 8192 at 2 x 4096 tokens); None if there is none, or several."""
+def _experts_activation(flow: Dataflow, ids: fx.Node, T) -> fx.Node | None:
+    """The [T, H] activation whose rows the ids dispatch to the experts: the activation operand of the first matmul
+    the ids reach, walked back through what reads the ids (a row gather by ``perm // K``, its casts) and through the
+    row copies of batched experts (``repeat_interleave``, views, none of them T rows of 2-D) to the first tensor
+    that is neither; None where that is a weight or not [T, *]."""
     reach = flow.forward_slice([ids])
-    met = {a for n in reach for a in flow.inputs(n) if a not in reach}
-    behind = flow.backward_slice(met, lambda m: m not in clean or m.op == "placeholder" or m is root)
-    found = [m for m in flow.sorted(behind)
-             if m is not root and (m not in clean or m.op == "placeholder" and not _is_parameter(m))
-             and (meta := tensor_meta(m)) is not None and meta.is_floating_point() and meta.dim() == 2
-             and same(meta.shape[0], T)]
-    return found[0] if len(found) == 1 else None
+    gemm = next((n for n in flow.sorted(reach) if op_name(n) in MATMUL_OPS), None)
+    if gemm is None:
+        return None
+    for n in gemm.args[:2]:
+        while isinstance(n, fx.Node) and n.args and isinstance(n.args[0], fx.Node) and (
+                n in reach or op_name(n) in VIEW_OPS | {"repeat_interleave"} and not _token_rows(n, T)):
+            n = n.args[0]
+        if isinstance(n, fx.Node) and n not in reach and _token_rows(n, T) and (
+                not _is_source(n) or n.op == "placeholder" and not _is_parameter(n)):
+            return n
+    return None
 
 
 def _is_parameter(n: fx.Node) -> bool:
     """A graph input that Dynamo took from an `nn.Parameter` (its example value is one): a weight, never an
-    activation."""
+    activation (a module compiled alone takes its activation as a placeholder, as it takes its weights)."""
     return isinstance(n.meta.get("example_value", n.meta.get("val")), torch.nn.Parameter)
+
+
+def _token_rows(n: fx.Node, T) -> bool:
+    """A 2-D float tensor of T rows."""
+    meta = tensor_meta(n)
+    return meta is not None and meta.is_floating_point() and meta.dim() == 2 and same(meta.shape[0], T)

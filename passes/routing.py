@@ -256,6 +256,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     cannot turn a float argument of the op into a tensor, so it has Dynamo specialise the float (with a guard) and
     trace again, and the pass then sees a constant."""
     stage, renormalize, eps, renorm_min, scale, expert_scale, runtime = 0, False, 0.0, 0.0, 1.0, None, {}
+    narrowest = None  # the dtype a cast rounded the weights to
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
@@ -284,7 +285,13 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             # of the weights (as two scales folded into one are), which the probe bounds like any rounding difference
             scale, stage = scale / number(u.args[1]), 3
         elif name in CAST_OPS and u.args[0] is w:
-            if tensor_meta(u).dtype != tensor_meta(w).dtype:  # a cast to the same dtype changes nothing
+            before, after = tensor_meta(w).dtype, tensor_meta(u).dtype
+            if after.itemsize > before.itemsize and narrowest is not None:
+                raise NoMatch(f"the routing weights are rounded to {narrowest} and widened again to {after} (Ergo): "
+                              "the op keeps them unrounded (weights_fp32) or multiplies in the input dtype; it has no "
+                              "form that rounds them and weighs in fp32")
+            if after != before:  # a cast to the same dtype changes nothing
+                narrowest = after if after.itemsize < before.itemsize else narrowest
                 stage = 4
         elif name == "mul" and stage <= 3 and _per_expert(region, _other(u, w)):
             expert_scale, stage = _expert_scale(region, _other(u, w)), 4  # only casts may follow
@@ -407,6 +414,8 @@ def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, 
             raise NoMatch("routing weights are renormalised by a clamped sum other than clamp(sum, min=m), m >= 0")
         renorm_min, denom = low, nxt
         nxt = _single_user(denom, region)
+    if nxt is not None and op_name(nxt) == "add" and is_runtime_float(nxt.args[1]):
+        raise NoMatch(runtime_float_reason("the renormalisation's eps"))
     if nxt is not None and op_name(nxt) == "add" and number(nxt.args[1]) is not None:
         eps, denom = number(nxt.args[1]), nxt
     div = _single_user(denom, region)

@@ -235,8 +235,8 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
-    "down_bias" | "expert_scale" | "expert_ids" (given ids: random ones are drawn) | "hidden"; operands: the op's 8
-    tensor operands;
+    "down_bias" | "expert_scale" | "post_norm_weight" | "expert_ids" (given ids: random ones are drawn) | "hidden";
+    operands: the op's 8 tensor operands;
     exports: {"weights": node, "ids": node} the rest of the graph reads and the op's outputs replace. `cache` (one
     per `fuse_moe` call) maps `probe_key`s to verdicts, so structurally identical layers are probed once.
 
@@ -266,7 +266,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
     inter = max(1, kwargs.get("_intermediate", H))
     std = {"hidden": 1.0, "router": 2.0 / math.sqrt(H), "router_logits": 2.0, "router_bias": 0.5, "selection_bias": 0.2,
            "gate_up": 3.0 / math.sqrt(H), "gate_up_bias": 0.1, "down": 1.0 / math.sqrt(inter), "down_bias": 0.1,
-           "expert_scale": 1.0}
+           "expert_scale": 1.0, "post_norm_weight": 0.5}
     op_kw = {k: v for k, v in kwargs.items() if not k.startswith("_")}
     nodes = flow.sorted(region.nodes)
     E = concrete(region.E)
@@ -294,7 +294,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             try:
                 run_nodes(gm, nodes, env)
                 args = [materialize(o, env.__getitem__) for o in operands]
-                given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # expert_ids, expert_scale
+                given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # tensors, runtime floats
                 out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
             except Exception as err:  # a region that cannot even run on fresh inputs is not proven
                 return f"probe failed to run: {type(err).__name__}: {err}"

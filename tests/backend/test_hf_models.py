@@ -206,3 +206,63 @@ def test_openai_privacy_filter_trains_fused():
     assert got_grads.keys() == want_grads.keys() and any("experts" in n for n in got_grads)
     for name, want in want_grads.items():
         assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_muse_spark_trains_fused(dtype):
+    """Muse Spark's text model (transformers >= 5.25; it has no CausalLM): each layer's router scales its logits and
+    its experts run on the tokens projected and normalised (the logits are the op's router argument), and normalise
+    each output row with an input-scaled RMSNorm (the op's scaled_rms). Every layer fused; its output and every
+    gradient (the post-norm weights' included) as eager's."""
+    modeling = pytest.importorskip("transformers.models.muse_spark.modeling_muse_spark")
+    from mok_compile.hf_blocks import init_moe_weights_, make_config
+
+    model = init_moe_weights_(modeling.MuseSparkTextModel(make_config("muse_spark", num_layers=NUM_LAYERS)), std=0.1)
+    model = model.to(dtype)
+    model.set_experts_implementation("grouped_mm")
+    ids = token_ids()
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        model.train()
+        out = fn(ids).last_hidden_state
+        out.float().square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_out, want_grads = step(model)
+    got_out, got_grads = step(torch.compile(model, backend="mok", options=AOT))
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])
+    assert_close_rel(got_out, want_out, TOL[dtype]["logits"], "output")
+    assert got_grads.keys() == want_grads.keys()
+    assert sum(n.endswith("post_expert_norm.weight") for n in got_grads) == NUM_LAYERS
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, TOL[dtype]["grads"], f"grad of {name}")
+
+
+def _tiny_ergo(dtype):
+    """Ergo (transformers >= 5.25), every layer MoE, its per-expert post-norm weights drawn away from their ones."""
+    if not available(["ergo"]):
+        pytest.skip("Ergo comes with transformers 5.25")
+    model = tiny_model("ergo", dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("post_expert_norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_ergo_trains_fused():
+    """Ergo in fp32: each route's rows normalised with its expert's row of an [E, H] weight (the op's rms) before the
+    routing weights. Every layer fused; logits, loss and every gradient (the post-norm weights' included) as eager's."""
+    _check_step(_tiny_ergo(torch.float32), torch.float32, train=True)
+
+
+def test_ergo_bf16_left_unfused():
+    """Ergo in bf16 rounds its routing weights to bf16 and weighs in fp32, which the op has no form for: every layer
+    left to eager's ops (reported), logits as eager's."""
+    model = _tiny_ergo(torch.bfloat16)
+    ids = token_ids()
+    want = forward(model, ids)[0]
+    got = forward(model, ids, backend="mok", options=AOT)[0]
+    assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert torch.equal(got, want)
