@@ -257,6 +257,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     trace again, and the pass then sees a constant."""
     stage, renormalize, eps, renorm_min, scale, expert_scale, runtime = 0, False, 0.0, 0.0, 1.0, None, {}
     narrowest = None  # the dtype a cast rounded the weights to
+    round_weights = False  # rounded to the input dtype, then widened again (Ergo)
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
@@ -287,9 +288,10 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         elif name in CAST_OPS and u.args[0] is w:
             before, after = tensor_meta(w).dtype, tensor_meta(u).dtype
             if after.itemsize > before.itemsize and narrowest is not None:
-                raise NoMatch(f"the routing weights are rounded to {narrowest} and widened again to {after} (Ergo): "
-                              "the op keeps them unrounded (weights_fp32) or multiplies in the input dtype; it has no "
-                              "form that rounds them and weighs in fp32")
+                if narrowest != tensor_meta(region.x).dtype or after != torch.float32:
+                    raise NoMatch(f"the routing weights are rounded to {narrowest} and widened again to {after}: "
+                                  "the op rounds fp32 weights only through the input dtype (round_weights)")
+                round_weights = True
             if after != before:  # a cast to the same dtype changes nothing
                 narrowest = after if after.itemsize < before.itemsize else narrowest
                 stage = 4
@@ -308,7 +310,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     weights_fp32 = tensor_meta(w).dtype == torch.float32
     spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
-                       weights_fp32=weights_fp32, **groups)
+                       weights_fp32=weights_fp32, round_weights=round_weights, **groups)
     return spec, w, expert_scale, runtime
 
 

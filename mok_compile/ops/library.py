@@ -35,7 +35,8 @@ _SCALARS = (
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
-    "float renorm_min=0.0, int group_top=2, int identity_experts=0, float jitter_eps=0.0, str post_norm='none', "
+    "float renorm_min=0.0, int group_top=2, int identity_experts=0, float jitter_eps=0.0, bool round_weights=False, "
+    "str post_norm='none', "
     "float post_norm_eps=1e-06, float post_norm_offset=0.0"
 )
 _WEIGHTS = (
@@ -197,6 +198,8 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"jitter_eps must be a finite number >= 0, got {kw['jitter_eps']}")
     if routing == "sparsemixer" and (selection_bias is not None or kw.get("expert_ids") is not None):
         _fail("routing='sparsemixer' chooses by its own masks: selection_bias and expert_ids must not be set")
+    if kw["round_weights"] and not kw["weights_fp32"]:
+        _fail("round_weights=True rounds fp32 weights: it needs weights_fp32=True")
     if kw["group_top"] not in (1, 2):
         _fail(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {kw['group_top']}")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),

@@ -71,6 +71,9 @@ class RoutingSpec:
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
+    round_weights: with ``weights_fp32``, the weights are rounded to the input
+        dtype and kept in fp32 (Ergo's ``w.to(x.dtype).float()``): the weighted
+        sum is in fp32 over rounded weights. The rounding's gradient is the identity.
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
     n_group, topk_group, group_top: group-limited selection (``softmax_topk``,
         ``sigmoid_grouped_topk`` and ``sqrtsoftplus_topk``): the experts form
@@ -108,6 +111,7 @@ class RoutingSpec:
     group_top: int = 2
     identity_experts: int = 0
     jitter_eps: float = 0.0
+    round_weights: bool = False
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -126,6 +130,8 @@ class RoutingSpec:
             raise ValueError(f"identity_experts must be >= 0, got {self.identity_experts}")
         if not 0.0 <= self.jitter_eps < float("inf"):
             raise ValueError(f"jitter_eps must be a finite number >= 0, got {self.jitter_eps}")
+        if self.round_weights and not self.weights_fp32:
+            raise ValueError("round_weights=True rounds fp32 weights: it needs weights_fp32=True")
 
 
 @dataclass(frozen=True)

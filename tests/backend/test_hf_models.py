@@ -251,18 +251,9 @@ def _tiny_ergo(dtype):
     return model
 
 
-def test_ergo_trains_fused():
-    """Ergo in fp32: each route's rows normalised with its expert's row of an [E, H] weight (the op's rms) before the
-    routing weights. Every layer fused; logits, loss and every gradient (the post-norm weights' included) as eager's."""
-    _check_step(_tiny_ergo(torch.float32), torch.float32, train=True)
-
-
-def test_ergo_bf16_left_unfused():
-    """Ergo in bf16 rounds its routing weights to bf16 and weighs in fp32, which the op has no form for: every layer
-    left to eager's ops (reported), logits as eager's."""
-    model = _tiny_ergo(torch.bfloat16)
-    ids = token_ids()
-    want = forward(model, ids)[0]
-    got = forward(model, ids, backend="mok", options=AOT)[0]
-    assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] == NUM_LAYERS, dict(counters["mok"])
-    assert torch.equal(got, want)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ergo_trains_fused(dtype):
+    """Ergo: each route's rows normalised with its expert's row of an [E, H] weight (the op's rms) before the routing
+    weights, which in bf16 it rounds to bf16 and widens again (the op's round_weights). Every layer fused; logits,
+    loss and every gradient (the post-norm weights' included) as eager's."""
+    _check_step(_tiny_ergo(dtype), dtype, train=True)

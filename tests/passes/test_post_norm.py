@@ -183,35 +183,50 @@ def test_ergo_near_miss_norms_not_fused(kwargs, reason):
     torch.testing.assert_close(run(gm, example)[0], eager, atol=0, rtol=0)
 
 
-def test_ergo_bf16_not_fused_no_op_setting_reproduces_it():
-    """In bf16 Ergo rounds its routing weights to bf16, widens them again and weighs the bf16 rows in fp32. The op
-    keeps the weights unrounded in fp32 (weights_fp32) or weighs in bf16: neither is Ergo's block (checked here on
-    its own rows: each setting differs from eager where the fp32 block, computed the same way, is bitwise eager's).
-    So the pass leaves it with that reason."""
-    gm, example, eager, block = _post_norm_block("ergo", torch.bfloat16)
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_ergo_bf16_block_fused_with_rounded_weights(impl):
+    """In bf16 Ergo rounds its routing weights to bf16, widens them again and weighs the bf16 rows in fp32: the op's
+    round_weights. Fused, output as eager's; and on its own rows the op with round_weights is Ergo's experts bit
+    for bit, where neither unrounded fp32 weights nor bf16 ones are."""
+    gm, example, eager, block = _post_norm_block("ergo", torch.bfloat16, impl)
     report = fuse_moe(gm, example)
-    assert [b.fused for b in report.blocks] == [False] and count_fused(gm) == 0, str(report)
-    assert "rounded to torch.bfloat16 and widened again to torch.float32" in report.blocks[0].reason
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    r = report.blocks[0].routing
+    assert (r.weights_fp32, r.round_weights) == (True, True)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL[torch.bfloat16])
 
-    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(10, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
 
-    def op_output(block, x, weights_fp32):
-        x2 = x.view(-1, 64)
-        logits = block.gate(x2)[0]
+    def op_output(weights_fp32, round_weights):
         experts = block.experts
         out, _, _ = reference.fused_moe_reference(
-            x2, logits, None, block.gate.e_score_correction_bias, experts.up_proj, None, experts.down_proj, None,
-            top_k=2, routing="sigmoid_grouped_topk", router_is_logits=True, renormalize=True, renorm_eps=1e-20,
-            routed_scale=block.gate.routed_scaling_factor, weights_fp32=weights_fp32, activation="relu2", gated=False,
-            transposed=True, post_norm="rms", post_norm_eps=experts.post_expert_norm.eps,
-            post_norm_weight=experts.post_expert_norm.weight)
+            x, block.gate(x)[0], None, block.gate.e_score_correction_bias, experts.up_proj, None, experts.down_proj,
+            None, top_k=2, routing="sigmoid_grouped_topk", router_is_logits=True, renormalize=True, renorm_eps=1e-20,
+            routed_scale=block.gate.routed_scaling_factor, weights_fp32=weights_fp32, round_weights=round_weights,
+            activation="relu2", gated=False, transposed=True, post_norm="rms",
+            post_norm_eps=experts.post_expert_norm.eps, post_norm_weight=experts.post_expert_norm.weight)
         return out
 
     with torch.no_grad():
-        routed = lambda b, x: b.experts(x.view(-1, 64), *reversed(b.gate(x.view(-1, 64))[1:]))  # noqa: E731
-        fp32 = block.float()
-        assert torch.equal(op_output(fp32, x.float(), True), routed(fp32, x.float()))
-        bf16 = block.to(torch.bfloat16)
-        want = routed(bf16, x)
-        assert not torch.equal(op_output(bf16, x, True), want)
-        assert not torch.equal(op_output(bf16, x, False), want)
+        want = block.experts(x, *reversed(block.gate(x)[1:]))
+        assert torch.equal(op_output(True, True), want)
+        assert not torch.equal(op_output(True, False), want)
+        assert not torch.equal(op_output(False, False), want)
+
+
+def _ergo_router_through_fp16(self, hidden_states):
+    """ErgoTopkRouter's forward with its weights rounded to fp16 (not the experts' bf16) and widened again."""
+    logits, weights, ids = type(self).forward(self, hidden_states)
+    return logits, weights.to(torch.float16).float(), ids
+
+
+def test_ergo_bf16_weights_rounded_to_another_dtype_not_fused():
+    """Near miss: weights rounded to fp16 in a bf16 block: the op rounds only through the input dtype."""
+    block = make_block("ergo", dtype=torch.bfloat16)
+    init_moe_weights_(block, std=0.2)
+    block.gate.forward = _ergo_router_through_fp16.__get__(block.gate)
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    report = fuse_moe(*graph)
+    assert [b.fused for b in report.blocks] == [False] and count_fused(graph[0]) == 0, str(report)
+    assert "rounds fp32 weights only through the input dtype" in report.blocks[0].reason, report.blocks[0].reason
+    torch.testing.assert_close(run(*graph)[0], eager, atol=0, rtol=0)
