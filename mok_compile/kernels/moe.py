@@ -8,6 +8,7 @@ by E); no host synchronisation):
     scan, scatter -> expert-sorted pairs                dispatch.py (in the route launch for one chunk)
     gate_up  act[r] = act(x[tok(r)] @ W1[e])            grouped_gemm.py (gather in A loads, act in epilogue)
     down     y[r] = act[r] @ W2[e] (+ b2)               grouped_gemm.py
+    (norm    y[r] = post_norm(y[r]) in place            post_norm.py, with a post-expert norm only)
     combine  out[t] = sum_k w[t,k] * y[pos(t,k)]        dispatch.py (fixed slot order)
 The routing weight is applied in the combine, not in the down GEMM's epilogue: HF multiplies
 the rounded expert output by the (often fp32) weight and sums in fp32, and doing it where the
@@ -26,6 +27,13 @@ and runs count, scan and scatter):
     route_bwd   d(logits) from d(weights)
     dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype; an fp32 router's on the tensor cores, router_gemm.py),
     combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
+
+Post-expert norm (`post_norm`, Ergo, Muse Spark): the backward recomputes y (`_expert_rows`, the forward's stages;
+from the saved h where there is one, else storing h as the training forward does), then `post_norm.backward_rows`
+gives dy per sorted row (w * go[t] through the norm's backward, written over y), each pair's d(topk_weights) and the
+norm weight's gradient (per-expert sums in sorted order). The chain above then reads dy as already weighted sorted
+rows: g2 = dy @ W2^T ungathered, the activation pass over h with unit weights, dW2 from dy's rows (every engine
+takes them: Triton's wgrad ungathered, CUTLASS's sorted rows as they are, the CUDA kernel's without its gather).
 
 GEMM engines (`configs.engine`, per stage, by mean rows per expert): the Triton kernels above, or
 PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`; bf16 on Hopper) where it is faster. A CUTLASS
@@ -54,7 +62,7 @@ import torch
 from ..ops import reference
 from ..ops.library import check_inputs, routing_width
 from ..ops.spec import with_defaults
-from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, graphs, plan, router_gemm, wgrad_sm90
+from . import activation_pass, configs, cutlass_gemm, gate_up_sm90, graphs, plan, post_norm, router_gemm, wgrad_sm90
 from .activation import activation_code
 from .dispatch import Dispatch, combine, grid_rows, layout_size
 from .grouped_gemm import _gate_up_bwd_kernel, _grouped_gemm_kernel, _wgrad_kernel
@@ -301,7 +309,7 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     (`plan.py`) where this call's signature has one; at few tokens, from a CUDA graph (`graphs.py`)."""
     kw = with_defaults(kw)
     tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
-               kw.pop("expert_ids", None), kw.pop("expert_scale", None))
+               kw.pop("expert_ids", None), kw.pop("expert_scale", None), kw.pop("post_norm_weight", None))
     options = (save_gate_up, tuple(kw.items()))
 
     def planned(*tensors):
@@ -311,10 +319,10 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
 
 
 def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
-             expert_ids, expert_scale, save_gate_up, **kw):
+             expert_ids, expert_scale, post_norm_weight, save_gate_up, **kw):
     # Checked here, on the normal path only: a plan's signature fixes everything the check reads.
     check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj,
-                 down_bias, expert_ids=expert_ids, expert_scale=expert_scale, **kw)
+                 down_bias, expert_ids=expert_ids, expert_scale=expert_scale, post_norm_weight=post_norm_weight, **kw)
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
@@ -329,7 +337,8 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
         weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"],
         expert_ids=None if expert_ids is None else expert_ids.contiguous(),
-        expert_scale=None if expert_scale is None else expert_scale.contiguous(), jitter_eps=kw["jitter_eps"])
+        expert_scale=None if expert_scale is None else expert_scale.contiguous(), jitter_eps=kw["jitter_eps"],
+        round_to=_rounded_weights_dtype(x, kw))
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
@@ -338,44 +347,63 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         layout = torch.zeros(layout_size(R, 0), dtype=torch.int32, device=x.device)
         return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, R, kw), layout)
     rows_per_expert = T * K / R  # at even routing over the router's choices (identity experts run no rows)
-    precision = _precision(x.dtype)
-    col_mul, up_off = _gate_up_columns(I, kw)
-    woi = kw.get("weight_on_input", False)
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
-    act_code = activation_code(kw["activation"], kw["gated"])
-    h = None
-    gate_up_eng = _gate_up_engine(x, gate_up_proj, gate_up_bias, down_proj, I, kw, eng["gathered"])
-    if gate_up_eng == "sm90":
-        h = torch.empty((T * K, 2 * I), dtype=x.dtype, device=x.device) if save_gate_up else None
-        act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
-        gate_up_sm90.gate_up(x, disp, gate_up_proj, act, h)
-    elif gate_up_eng == "cutlass":
-        h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
-        act = activation_pass.activation_rows(h, disp, _bias_ids(ids, E, gate_up_bias, kw), gate_up_bias, I,
-                                              gated=kw["gated"], interleaved=kw["interleaved"], act=act_code,
-                                              col_mul=col_mul, up_off=up_off, alpha=kw["alpha"], limit=kw["limit"])
-    else:
-        if save_gate_up:
-            h = torch.empty((T * K, (2 if kw["gated"] else 1) * I), dtype=x.dtype, device=x.device)
-        act = torch.empty((T * K, I), dtype=x.dtype, device=x.device)
-        _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I,
-              kd=H, gather=True, gated=kw["gated"], act=act_code, col_mul=col_mul, up_off=up_off, kw=kw,
-              cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device), precision=precision,
-              a_scale=w if woi else None, h_out=h)
-    if eng["down"] == "cutlass":  # the down bias is added in the combine
-        y = cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp)
-        out = combine(y, disp.pair_pos, w, None, T, K, x.dtype, bias=down_bias, topk_ids=ids,
-                      identity=_identity(x, w, E, kw, rounded=True))
-    else:
-        y = torch.empty((T * K, H), dtype=x.dtype, device=x.device)
-        _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I,
-              gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=kw,
-              cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
-        out = combine(y, disp.pair_pos, None if woi else w, None, T, K, x.dtype, topk_ids=ids,
-                      identity=_identity(x, w, E, kw, rounded=True))
+    y, h = _expert_rows(x, disp, ids, w, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng,
+                        rows_per_expert, save_h=save_gate_up)
+    if kw["post_norm"] != "none":
+        post_norm.normalize_rows(y, disp, ids, post_norm.scale(kw, post_norm_weight), kw)
+    # A CUTLASS down stage leaves the down bias to the combine (never with weight on input: `_engines`).
+    out = combine(y, disp.pair_pos, None if kw.get("weight_on_input", False) else w, None, T, K, x.dtype,
+                  bias=down_bias if eng["down"] == "cutlass" else None, topk_ids=ids,
+                  identity=_identity(x, w, E, kw, rounded=True))
     if not save_gate_up:
         return out, w, ids
     return out, w, ids, h, _kept_logits(logits, router, R, kw), disp.layout
+
+
+def _expert_rows(x, disp, ids, w, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng, rows_per_expert, *,
+                 save_h=False, h=None):
+    """(y, h): each pair's expert output y [T*K, H] in sorted rows (without the down bias on a CUTLASS down stage)
+    by the gate_up and down stages, and with `save_h` h = x @ W1 per pair (before bias and activation). Given `h`
+    (the backward's saved one), the activation is a pass over it and only the down GEMM runs. The forward's, and
+    the post-norm backward's recompute of y."""
+    H = x.shape[1]
+    precision = _precision(x.dtype)
+    col_mul, up_off = _gate_up_columns(I, kw)
+    act_code = activation_code(kw["activation"], kw["gated"])
+    gate_up_eng = "given" if h is not None else _gate_up_engine(x, gate_up_proj, gate_up_bias, down_proj, I, kw,
+                                                               eng["gathered"])
+    if gate_up_eng == "sm90":
+        h = torch.empty((disp.num_pairs, 2 * I), dtype=x.dtype, device=x.device) if save_h else None
+        act = torch.empty((disp.num_pairs, I), dtype=x.dtype, device=x.device)
+        gate_up_sm90.gate_up(x, disp, gate_up_proj, act, h)
+    elif gate_up_eng in ("cutlass", "given"):
+        if h is None:
+            h = cutlass_gemm.grouped_mm(cutlass_gemm.gather_rows(x, disp), _kn(gate_up_proj, kw["transposed"]), disp)
+        act = activation_pass.activation_rows(h, disp, _bias_ids(ids, disp.num_experts, gate_up_bias, kw),
+                                              gate_up_bias, I, gated=kw["gated"], interleaved=kw["interleaved"],
+                                              act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"],
+                                              limit=kw["limit"])
+    else:
+        if save_h:
+            h = torch.empty((disp.num_pairs, (2 if kw["gated"] else 1) * I), dtype=x.dtype, device=x.device)
+        act = torch.empty((disp.num_pairs, I), dtype=x.dtype, device=x.device)
+        _gemm(x, disp, gate_up_proj, _gate_up_strides(gate_up_proj, kw["transposed"]), gate_up_bias, act, n=I,
+              kd=H, gather=True, gated=kw["gated"], act=act_code, col_mul=col_mul, up_off=up_off, kw=kw,
+              cfg=configs.config("gate_up", x.dtype, rows_per_expert, x.device), precision=precision,
+              a_scale=w if kw.get("weight_on_input", False) else None, h_out=h)
+    if eng["down"] == "cutlass":
+        return cutlass_gemm.grouped_mm(act, _kn(down_proj, kw["transposed"]), disp), h
+    y = torch.empty((disp.num_pairs, H), dtype=x.dtype, device=x.device)
+    _gemm(act, disp, down_proj, _down_strides(down_proj, kw["transposed"]), down_bias, y, n=H, kd=I, gather=False,
+          gated=False, act=0, col_mul=1, up_off=0, kw=kw,
+          cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
+    return y, h
+
+
+def _rounded_weights_dtype(x, kw):
+    """The 16-bit dtype `round_weights` rounds the fp32 weights through (x's), or None (not asked, or a no-op)."""
+    return x.dtype if kw["round_weights"] and x.dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _identity(source, weights, E, kw, *, rounded):
@@ -391,7 +419,8 @@ def _bias_ids(ids, E, bias, kw):
 
 _BACKWARD_PLANS = plan.PlanCache()
 # The per-call tensors of a backward (grad_out, grad_topk_weights, hidden_states, topk_weights, topk_ids, h, logits,
-# layout), copied into a graph's buffers; the weights (and the expert scale, last) key it by address.
+# layout), copied into a graph's buffers; the weights (and the expert scale and post-norm weight, last) key it by
+# address.
 BACKWARD_GRAPHS = graphs.GraphCache(copied=(0, 1, 2, 10, 11, 12, 13, 14))
 _WEIGHTS = (6, 7, 8, 9)  # gate_up_proj, gate_up_bias, down_proj, down_bias among those tensors
 
@@ -407,7 +436,8 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     kw = with_defaults(kw)
     tensors = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, kw.pop("gate_up_out", None),
-               kw.pop("router_logits", None), kw.pop("routing_layout", None), kw.pop("expert_scale", None))
+               kw.pop("router_logits", None), kw.pop("routing_layout", None), kw.pop("expert_scale", None),
+               kw.pop("post_norm_weight", None))
     options = tuple(kw.items())
 
     def planned(*tensors):
@@ -416,9 +446,9 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     def capture(*tensors):  # h is the graph's copy: dh need not go over it, nor its memory be freed
         return _backward(*tensors, defer_weight_gradients=True, **{**kw, "overwrite_gate_up_out": False})
 
-    d_x, d_router, d_router_bias, d_scale, *weight_grads = BACKWARD_GRAPHS.call(planned, tensors, options,
-                                                                                capture=capture)
-    return d_x, d_router, d_router_bias, *weight_grads, d_scale
+    d_x, d_router, d_router_bias, d_scale, d_post_norm, *weight_grads = BACKWARD_GRAPHS.call(
+        planned, tensors, options, capture=capture)
+    return d_x, d_router, d_router_bias, *weight_grads, d_scale, d_post_norm
 
 
 def _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, scale):
@@ -436,11 +466,12 @@ def _free_storage(t):
 
 def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
-              expert_scale, defer_weight_gradients=False, **kw):
-    """The backward's launches: (d_x, d_router, d_router_bias, d_expert_scale, d_gu, d_gu_bias, d_down, d_down_bias),
-    the weight gradients last. `defer_weight_gradients` (a graph's capture, T > 0): return ((d_x, d_router,
-    d_router_bias, d_expert_scale), (fn, held, _WEIGHTS)), the weight gradients left to `fn(*held, *weights)`, the
-    weights being the call's tensors at positions `_WEIGHTS` (gate_up_proj, gate_up_bias, down_proj, down_bias)."""
+              expert_scale, post_norm_weight, defer_weight_gradients=False, **kw):
+    """The backward's launches: (d_x, d_router, d_router_bias, d_expert_scale, d_post_norm_weight, d_gu, d_gu_bias,
+    d_down, d_down_bias), the weight gradients last. `defer_weight_gradients` (a graph's capture, T > 0): return
+    ((d_x, d_router, d_router_bias, d_expert_scale, d_post_norm_weight), (fn, held, _WEIGHTS)), the weight gradients
+    left to `fn(*held, *weights)`, the weights being the call's tensors at positions `_WEIGHTS` (gate_up_proj,
+    gate_up_bias, down_proj, down_bias)."""
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
     x = hidden_states.contiguous()
     T, H = x.shape
@@ -453,6 +484,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         d_router = zeros_like(router)
         return (zeros_like(x), d_router, None if router_bias is None else zeros_like(router_bias),
                 None if expert_scale is None else zeros_like(expert_scale),
+                None if post_norm_weight is None else zeros_like(post_norm_weight),
                 zeros_like(gate_up_proj), None if gate_up_bias is None else zeros_like(gate_up_bias),
                 zeros_like(down_proj), None if down_bias is None else zeros_like(down_bias))
 
@@ -472,30 +504,47 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
 
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
     act_code = activation_code(kw["activation"], gated)
-    # Sorted copies of go and x rows for the CUTLASS stages that read them ([T*K, H] each), made just
-    # before their first use and dropped after their last (peak memory: with the saved h, only one of
-    # them is alive at a time).
-    gos = cutlass_gemm.gather_rows(go, disp) if eng["gathered"] == "cutlass" else None
-    xs = None
-    if eng["gathered"] == "cutlass" and gate_up_out is None:
-        xs = cutlass_gemm.gather_rows(x, disp)
-
-    # g2 = go[t] @ W2[e]^T per pair; then h (saved or recomputed) with dh, act(h), partial d(topk_weights).
     w1_k, w1_n = _gate_up_strides(gate_up_proj, transposed)
     w2_i, w2_h = _down_strides(down_proj, transposed)
-    if eng["gathered"] == "cutlass" or gate_up_out is not None:
+
+    def act_bwd(h, g2, weights):  # (dh, weights * act(h), partial d(topk_weights)) from a stored h
+        return activation_pass.activation_bwd_rows(
+            h, g2, weights, disp, _bias_ids(topk_ids, E, gate_up_bias, kw), gate_up_bias, I, gated=gated,
+            interleaved=kw["interleaved"], act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"],
+            limit=kw["limit"], h_is_saved=gate_up_out is not None and not overwrite_h)
+
+    gos = xs = d_post_norm = None
+    wgrad_go = go  # the down weight's gradient reads grad_out per token, or with a post norm dy in sorted rows
+    if kw["post_norm"] != "none":
+        # What reaches y is the norm's backward of w * go[t]: y recomputed (from the saved h where there is one),
+        # then dy per sorted row, which the chain reads as already weighted rows (unit weights; g2 ungathered).
+        y, h = _expert_rows(x, disp, topk_ids, None, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng,
+                            rows_per_expert, save_h=gate_up_out is None, h=gate_up_out)
+        wgrad_go, dw_parts, d_post_norm = post_norm.backward_rows(y, post_norm.scale(kw, post_norm_weight), go,
+                                                                  w_flat, disp, topk_ids, post_norm_weight, kw)
+        del y
         if eng["gathered"] == "cutlass":
+            g2 = cutlass_gemm.grouped_mm(wgrad_go, _kn(down_proj, transposed, backward=True), disp)
+        else:
+            g2 = _g2_triton(wgrad_go, disp, down_proj, (w2_h, w2_i), I, kw, rows_per_expert, precision, gather=False)
+        dh, act_w, _ = act_bwd(h, g2, torch.ones_like(w_flat))  # its d(topk_weights) parts are the norm's
+        del h, g2
+    elif eng["gathered"] == "cutlass" or gate_up_out is not None:
+        # Sorted copies of go and x rows for the CUTLASS stages that read them ([T*K, H] each), made just
+        # before their first use and dropped after their last (peak memory: with the saved h, only one of
+        # them is alive at a time).
+        # g2 = go[t] @ W2[e]^T per pair; then h (saved or recomputed) with dh, act(h), partial d(topk_weights).
+        if eng["gathered"] == "cutlass":
+            gos = cutlass_gemm.gather_rows(go, disp)
+            if gate_up_out is None:
+                xs = cutlass_gemm.gather_rows(x, disp)
             g2 = cutlass_gemm.grouped_mm(gos, _kn(down_proj, transposed, backward=True), disp)
         else:
             g2 = _g2_triton(go, disp, down_proj, (w2_h, w2_i), I, kw, rows_per_expert, precision)
         h = gate_up_out
         if h is None:
             h = cutlass_gemm.grouped_mm(xs, _kn(gate_up_proj, transposed), disp)
-        dh, act_w, dw_parts = activation_pass.activation_bwd_rows(
-            h, g2, w_flat, disp, _bias_ids(topk_ids, E, gate_up_bias, kw), gate_up_bias, I, gated=gated,
-            interleaved=kw["interleaved"], act=act_code, col_mul=col_mul, up_off=up_off, alpha=kw["alpha"],
-            limit=kw["limit"],
-            h_is_saved=gate_up_out is not None and not overwrite_h)
+        dh, act_w, dw_parts = act_bwd(h, g2, w_flat)
         del h, g2
     else:
         dh, act_w, dw_parts = _gate_up_backward_triton(x, go, disp, w_flat, gate_up_proj, gate_up_bias, down_proj,
@@ -506,8 +555,8 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     # each replay of the rest, into new tensors (`graphs.GraphCache`'s finish).
     weight_gradients = functools.partial(_weight_gradients, eng=eng, kw=kw, top_k=K,
                                          rows_per_expert=rows_per_expert, precision=precision)
-    work = [disp.layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
-    del act_w, gos, xs  # (held by `work` alone: the weight gradients free them after their last read)
+    work = [disp.layout, wgrad_go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
+    del act_w, gos, xs, wgrad_go  # (held by `work` alone: the weight gradients free them after their last read)
     if defer_weight_gradients:  # the weights from each call, as `_WEIGHTS` of its tensors (`graphs.GraphCache.call`)
         deferred = (lambda *args: weight_gradients(list(args)), work[:-len(_WEIGHTS)], _WEIGHTS)
     else:
@@ -577,14 +626,15 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                   round_product=False if woi else None, topk_ids=topk_ids,
                   identity=_identity(go, topk_weights.contiguous(), E, kw, rounded=False))
     if defer_weight_gradients:
-        return (d_x, d_router, d_router_bias, d_scale), deferred
-    return d_x, d_router, d_router_bias, d_scale, d_gu, d_gu_bias, d_down, d_down_bias
+        return (d_x, d_router, d_router_bias, d_scale, d_post_norm), deferred
+    return d_x, d_router, d_router_bias, d_scale, d_post_norm, d_gu, d_gu_bias, d_down, d_down_bias
 
 
 def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=None):
     """(d_gu, d_gu_bias, d_down, d_down_bias), each expert's rows reduced in sorted order, from `work` =
     [layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias] (`gos`, `xs`: the
-    sorted go and x rows where the backward made them, else None). act_w, gos and xs are taken out of the list, so
+    sorted go and x rows where the backward made them, else None; with a post norm, go is dy in sorted rows, already
+    weighted, and act_w the unweighted act(h)). act_w, gos and xs are taken out of the list, so
     that where the caller keeps no other reference each is freed after its last read, before the next gradient is
     allocated (peak memory; NOTES v39)."""
     layout, go, x, w_flat, _, dh, _, _, gate_up_proj, gate_up_bias, down_proj, down_bias = work
@@ -595,6 +645,7 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
         disp = Dispatch.from_layout(layout, E, top_k, w_flat.shape[0], num_buckets=routing_width(gate_up_proj, kw))
     H = x.shape[1]
     transposed, woi = kw["transposed"], kw.get("weight_on_input", False)
+    go_rows = kw["post_norm"] != "none"  # go: sorted rows, read as they are (no down bias: `check_inputs`)
     up_out = 2 if kw["gated"] else 1
     d_down_bias = None if down_bias is None else torch.empty_like(down_bias)
     d_gu_bias = None if gate_up_bias is None else torch.empty_like(gate_up_bias)
@@ -605,9 +656,9 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
         del gos, xs
         d_down = torch.empty_like(down_proj)
         if transposed:
-            wgrad_sm90.wgrad(act_w, go, disp, d_down, q_gather=True)
+            wgrad_sm90.wgrad(act_w, go, disp, d_down, q_gather=not go_rows)
         else:
-            wgrad_sm90.wgrad(go, act_w, disp, d_down, p_gather=True)
+            wgrad_sm90.wgrad(go, act_w, disp, d_down, p_gather=not go_rows)
         del act_w  # its last read: freed before d_gu is made, as on the other engines
         d_gu = torch.empty_like(gate_up_proj)
         if transposed:
@@ -617,7 +668,7 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
         _bias_grads(go, dh, disp, d_down_bias, d_gu_bias, None if woi else w_flat)
     elif wgrad_eng == "cutlass":
         if gos is None:
-            gos = cutlass_gemm.gather_rows(go, disp)
+            gos = go if go_rows else cutlass_gemm.gather_rows(go, disp)
         d_down = cutlass_gemm.wgrad(act_w, gos, disp) if transposed else cutlass_gemm.wgrad(gos, act_w, disp)
         del gos, act_w
         if xs is None:
@@ -629,8 +680,9 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
         del gos, xs
         wcfg = configs.config("wgrad", x.dtype, rows_per_expert, x.device)
         d_down = torch.empty_like(down_proj)
-        _wgrad(go, act_w, disp, None if woi else w_flat, d_down, d_down_bias, P=H, Q=I, p_gather=True,
-               q_gather=False, strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg, precision=precision)
+        _wgrad(go, act_w, disp, None if woi or go_rows else w_flat, d_down, d_down_bias, P=H, Q=I,
+               p_gather=not go_rows, q_gather=False, strides_pq=_down_strides(d_down, transposed)[::-1], cfg=wcfg,
+               precision=precision)
         del act_w  # its last read: freed before d_gu is made (peak memory; NOTES v39)
         d_gu = torch.empty_like(gate_up_proj)
         _wgrad(dh, x, disp, None, d_gu, d_gu_bias, P=up_out * I, Q=H, p_gather=False, q_gather=True,
@@ -640,10 +692,11 @@ def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=
     return d_gu, d_gu_bias, d_down, d_down_bias
 
 
-def _g2_triton(go, disp, down_proj, w2_kn_strides, I, kw, rows_per_expert, precision):
-    """g2 = go[token] @ W2[e]^T per pair (gathered Triton GEMM)."""
+def _g2_triton(go, disp, down_proj, w2_kn_strides, I, kw, rows_per_expert, precision, gather=True):
+    """g2 = go[token] @ W2[e]^T per pair (gathered Triton GEMM); not `gather`: go holds sorted rows (a post norm's
+    dy)."""
     g2 = torch.empty((disp.num_pairs, I), dtype=go.dtype, device=go.device)
-    _gemm(go, disp, down_proj, w2_kn_strides, None, g2, n=I, kd=go.shape[1], gather=True, gated=False, act=0,
+    _gemm(go, disp, down_proj, w2_kn_strides, None, g2, n=I, kd=go.shape[1], gather=gather, gated=False, act=0,
           col_mul=1, up_off=0, kw=kw, cfg=configs.config("bwd_g2", go.dtype, rows_per_expert, go.device),
           precision=precision)
     return g2

@@ -19,6 +19,8 @@ from .launch import cdiv, launcher, next_power_of_2
 
 ROUTING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_grouped_topk": 2, "topk_sigmoid": 3,
                  "sqrtsoftplus_topk": 4, "sparsemixer": 5}
+# The 16-bit dtypes `route`'s round_to takes, as the forward kernel's ROUND_TO.
+ROUND_CODES = {torch.bfloat16: 1, torch.float16: 2}
 
 
 def routing_block(num_experts: int, num_tokens: int | None = None) -> tuple[int, int]:
@@ -175,7 +177,7 @@ def _route_fwd_kernel(
     expert_count_ptr=None, expert_start_ptr=None, expert_end_ptr=None, sorted_pair_ptr=None, pair_pos_ptr=None,
     DISPATCH: tl.constexpr = False, SEL_LOW: tl.constexpr = False, renorm_min=0.0, GROUP_TOP: tl.constexpr = 2,
     given_ids_ptr=None, GIVEN_IDS: tl.constexpr = False, expert_scale_ptr=None, EXPERT_SCALE: tl.constexpr = False,
-    threshold=0.0,
+    threshold=0.0, ROUND_TO: tl.constexpr = 0,
 ):
     """DISPATCH (the only program: T <= BLOCK_T): also the scan and the scatter of `dispatch.py` for its one
     chunk, from the same picks, so a few-token call skips those two launches.
@@ -186,7 +188,8 @@ def _route_fwd_kernel(
     GIVEN_IDS: the ids are read from `given_ids_ptr` [T, K] instead of chosen (each clamped into [0, E), so that
     an id out of range, the caller's error, cannot send a pair outside the buffers); the weights are `value` there.
     EXPERT_SCALE: each weight is multiplied last by its expert's `expert_scale` value (in fp32, before the store's
-    rounding).
+    rounding). ROUND_TO (`ROUND_CODES`): the weights are rounded to bf16 (1) or fp16 (2) before an fp32 store
+    (`round_weights`).
     ROUTING 5 (sparsemixer): round k's pick is the largest logit left; its weight, the round's softmax at the pick
     (`_sparsemixer_gates`, rounded to the logits' dtype where SOFTMAX_LOW); `threshold` is 2 * jitter_eps."""
     pid = tl.program_id(0)
@@ -285,6 +288,10 @@ def _route_fwd_kernel(
     omask = rmask[:, None] & kmask[None, :]
     if EXPERT_SCALE:
         top_v = top_v * tl.load(expert_scale_ptr + top_i, mask=omask, other=0.0).to(tl.float32)
+    if ROUND_TO == 1:
+        top_v = top_v.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_TO == 2:
+        top_v = top_v.to(tl.float16).to(tl.float32)
 
     offs = rows[:, None] * K + kcols[None, :]
     tl.store(w_ptr + offs, top_v.to(w_ptr.dtype.element_ty), mask=omask)
@@ -319,10 +326,11 @@ def _selection_rounds(logits, selection_bias, routing, softmax_fp32) -> bool:
 
 def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,
           topk_group, weights_dtype, dispatch=None, renorm_min=0.0, group_top=2, expert_ids=None, expert_scale=None,
-          jitter_eps=0.0):
+          jitter_eps=0.0, round_to=None):
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
     `expert_ids` [T, K]: the ids, given (`mok::fused_moe`'s argument), not chosen. `expert_scale` [E]: the
-    weights' per-expert factor. `jitter_eps`: the sparsemixer's.
+    weights' per-expert factor. `jitter_eps`: the sparsemixer's. `round_to`: a 16-bit dtype the weights are rounded
+    through (`round_weights`), or None.
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
     one program holds every token (chunk_counts is then None: its one row is `dispatch.bucket_count`), else
@@ -355,6 +363,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
                 pair_pos_ptr=dispatch.pair_pos, DISPATCH=True)),
             **({} if expert_ids is None else dict(given_ids_ptr=expert_ids, GIVEN_IDS=True)),
             **({} if expert_scale is None else dict(expert_scale_ptr=expert_scale, EXPERT_SCALE=True)),
+            **({} if round_to is None else dict(ROUND_TO=ROUND_CODES[round_to])),
         )
         if dispatch is not None and not fused:
             dispatch.sort(ids, counts, block_t, repeats=expert_ids is not None)

@@ -119,14 +119,16 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
         res["consume_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved))
         # The backward as a CUDA graph captures it (`graphs.py`): the weight gradients left to a function run after
         # the rest, on what the rest kept. The same bits.
-        call = (go, gw, *tensors, w, ids, h, logits, layout, None)  # None: no expert scale
+        call = (go, gw, *tensors, w, ids, h, logits, layout, None, None)  # None: no expert scale, no post norm
         rest, (weight_gradients, held, reads) = moe._backward(*call, defer_weight_gradients=True,
                                                               **with_defaults(kw))
         res["deferred_holds_no_weight"] = not any(t is not None and t.untyped_storage().data_ptr() ==
                                                   wt.untyped_storage().data_ptr()
                                                   for t in held for wt in tensors[4:] if wt is not None)
-        d_x, d_router, d_router_bias, d_scale = rest  # the public order has the weight gradients before d_scale
-        deferred = (d_x, d_router, d_router_bias, *weight_gradients(*held, *[call[i] for i in reads]), d_scale)
+        # The public order has the weight gradients before d_scale and d_post_norm.
+        d_x, d_router, d_router_bias, d_scale, d_post_norm = rest
+        deferred = (d_x, d_router, d_router_bias, *weight_gradients(*held, *[call[i] for i in reads]), d_scale,
+                    d_post_norm)
         res["deferred_equal"] = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(deferred, saved))
     if ab_env is not None:
         res["tiles"] = dict(TILES)

@@ -164,7 +164,7 @@ def _backward(tensors, kw, calls):
 
 
 def _equal_grads(got, want):
-    assert len(got) == len(want) == 8
+    assert len(got) == len(want) == 9
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if w is not None:

@@ -149,7 +149,7 @@ def test_a_replayed_backward_launches_what_the_normal_path_does(stubbed, variant
     normal, normal_log, normal_freed = call(go, h.clone())
     assert replayed_log == normal_log and len(normal_log) >= 5
     assert replayed_freed == normal_freed == overwrite
-    assert len(replayed) == len(normal) == 8
+    assert len(replayed) == len(normal) == 9
     for r, n in zip(replayed, normal):
         assert (r is None) == (n is None) and (r is None or (r.shape, r.dtype) == (n.shape, n.dtype))
 
