@@ -48,8 +48,9 @@ def _load_gate_up(h_ptr, rows64, rmask, n0, I, stride_h, bias_rows, col_mul, up_
 
 
 @triton.jit
-def _bias_rows(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_BIAS: tl.constexpr):
-    """[BM, 1] pointers to the bias row of each sorted row's expert (bias_ptr itself without biases)."""
+def expert_row_ptrs(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_BIAS: tl.constexpr):
+    """[BM, 1] pointers to the row of each sorted row's expert in a per-expert tensor (a bias, a norm weight):
+    its expert's (ids at the row's pair) where HAS_BIAS, else bias_ptr itself (no bias, or one shared row)."""
     if HAS_BIAS:
         pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
         e = tl.load(ids_ptr + pair, mask=rmask, other=0)
@@ -69,7 +70,7 @@ def _activation_rows_kernel(h_ptr, sorted_pair_ptr, ids_ptr, bias_ptr, out_ptr, 
     rmask = rows < TK
     rows64 = rows.to(tl.int64)[:, None]
     DT = out_ptr.dtype.element_ty
-    bias_rows = _bias_rows(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_BIAS)
+    bias_rows = expert_row_ptrs(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_BIAS)
     g, u = _load_gate_up(h_ptr, rows64, rmask, n0, I, stride_h, bias_rows, col_mul, up_off, GATED, INTERLEAVED,
                          HAS_BIAS, BLOCK_N)
     # h is already rounded; the bias add is one more rounded op (identity without a bias)
@@ -93,7 +94,7 @@ def _activation_bwd_rows_kernel(h_ptr, g2_ptr, w_ptr, sorted_pair_ptr, ids_ptr, 
     rmask = rows < TK
     om = rmask[:, None] & (n < I)[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    bias_rows = _bias_rows(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_BIAS)
+    bias_rows = expert_row_ptrs(bias_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_be, HAS_BIAS)
     g, u = _load_gate_up(h_ptr, rows64, rmask, n0, I, stride_h, bias_rows, col_mul, up_off, GATED, INTERLEAVED,
                          HAS_BIAS, BLOCK_N)
     g2 = tl.load(g2_ptr + rows64 * stride_g2 + n[None, :], mask=om, other=0.0).to(tl.float32)

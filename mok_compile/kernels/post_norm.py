@@ -17,21 +17,12 @@ import triton
 import triton.language as tl
 
 from ..ops import reference
+from .activation_pass import expert_row_ptrs
 from .cutlass_gemm import segment_sum
 from .launch import cdiv, launcher, next_power_of_2
 
 _ROWS = 4
 _FWD_COLS, _BWD_COLS = 1024, 512  # the backward holds four row tiles at once
-
-
-@triton.jit
-def _scale_rows(g_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_ge, PER_EXPERT: tl.constexpr):
-    """[BM, 1] pointers to the g row of each sorted row: its expert's (ids at the row's pair), or the shared one."""
-    if PER_EXPERT:
-        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
-        e = tl.load(ids_ptr + pair, mask=rmask, other=0)
-        return g_ptr + e.to(tl.int64)[:, None] * stride_ge
-    return g_ptr + tl.zeros((rows.shape[0], 1), tl.int64)
 
 
 @triton.jit
@@ -43,7 +34,7 @@ def _normalize_rows_kernel(y_ptr, g_ptr, sorted_pair_ptr, ids_ptr, TK, H, stride
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < TK
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y
-    g_rows = _scale_rows(g_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_ge, PER_EXPERT)
+    g_rows = expert_row_ptrs(g_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_ge, PER_EXPERT)
     DT = y_ptr.dtype.element_ty
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for h0 in range(0, H, BLOCK_H):
@@ -81,7 +72,7 @@ def _backward_rows_kernel(y_ptr, g_ptr, go_ptr, w_ptr, sorted_pair_ptr, ids_ptr,
     y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y
     go_rows = go_ptr + (pair // K).to(tl.int64)[:, None] * stride_go
     dg_rows = dg_ptr + rows.to(tl.int64)[:, None] * stride_dg
-    g_rows = _scale_rows(g_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_ge, PER_EXPERT)
+    g_rows = expert_row_ptrs(g_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_ge, PER_EXPERT)
     ss = tl.zeros((BLOCK_M,), tl.float32)
     q = tl.zeros((BLOCK_M,), tl.float32)
     for h0 in range(0, H, BLOCK_H):

@@ -263,14 +263,18 @@ def _check_expert_ids(ids, x, top_k, selection_bias, n_group):
         _fail("expert_ids gives the experts: selection_bias and n_group > 1, which choose them, must not be set")
 
 
+def _check_float_on_x_device(name, t, x):
+    if t.dtype not in _FLOAT_DTYPES:
+        _fail(f"{name} has unsupported dtype {t.dtype}")
+    if t.device != x.device:
+        _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
+
+
 def _check_expert_scale(scale, x, num_experts, weight_on_input):
     """A per-expert weight scale: [E] floating point on x's device, on weights that scale the experts' outputs."""
     if scale.dim() != 1 or scale.shape[0] != num_experts:
         _fail(f"expert_scale must be [E={num_experts}], got shape {tuple(scale.shape)}")
-    if scale.dtype not in _FLOAT_DTYPES:
-        _fail(f"expert_scale has unsupported dtype {scale.dtype}")
-    if scale.device != x.device:
-        _fail(f"expert_scale is on {scale.device} but hidden_states is on {x.device}")
+    _check_float_on_x_device("expert_scale", scale, x)
     if weight_on_input:
         _fail("expert_scale is not supported with weight_on_input=True")
 
@@ -285,10 +289,7 @@ def _check_post_norm(weight, x, num_experts, down_bias, kw):
               "norm needs both its kind and its weight")
     if tuple(weight.shape) not in ((H,), (num_experts, H)):
         _fail(f"post_norm_weight must be [H={H}] or [E={num_experts}, H={H}], got shape {tuple(weight.shape)}")
-    if weight.dtype not in _FLOAT_DTYPES:
-        _fail(f"post_norm_weight has unsupported dtype {weight.dtype}")
-    if weight.device != x.device:
-        _fail(f"post_norm_weight is on {weight.device} but hidden_states is on {x.device}")
+    _check_float_on_x_device("post_norm_weight", weight, x)
     if not abs(kw["post_norm_offset"]) < float("inf"):
         _fail(f"post_norm_offset must be finite, got {kw['post_norm_offset']}")
     for name, unsupported in (("weight_on_input=True", kw["weight_on_input"]), ("down_bias", down_bias is not None),

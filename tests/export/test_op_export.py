@@ -261,10 +261,10 @@ class _ScaledExperts(torch.nn.Module):
         return torch.ops.mok.fused_moe(x, *(getattr(m, n) for n in m.names), **m.kw, expert_scale=self.scale)
 
 
-def test_expert_scale_keeps_the_op_whole_and_decomposes_on_refbackend():
-    """`expert_scale` through both forms: the torch-backend form keeps one op taking the scale; the decomposed
-    linalg form runs on RefBackend with the op's numbers at token counts other than the example's."""
-    moe = _ScaledExperts()
+def _keeps_the_op_whole_and_decomposes_on_refbackend(moe):
+    """`moe` (a feature on `moe.moe`'s op) through both forms: the torch-backend form keeps one op taking the
+    feature's tensor; the decomposed linalg form runs on RefBackend with the op's numbers at token counts other than
+    the example's, and those differ from the op's without the feature."""
     kept = export_mlir(moe, _x(5), output_type="torch", dynamic_shapes=(_tokens(),), fuse=False)
     assert kept.num_fused_ops == 1
     lowered = export_mlir(moe, _x(5), output_type="linalg-on-tensors", dynamic_shapes=(_tokens(),), fuse=False)
@@ -275,11 +275,15 @@ def test_expert_scale_keeps_the_op_whole_and_decomposes_on_refbackend():
         out, weights, ids = run(x)
         with torch.no_grad():
             ref_out, ref_weights, ref_ids = moe(x)
-            unscaled = moe.moe(x)[1]
+            plain_out, plain_weights, _ = moe.moe(x)
         assert torch.equal(ids, ref_ids)
-        assert not torch.allclose(ref_weights, unscaled)  # the scale is in the weights
+        assert not (torch.allclose(ref_out, plain_out) and torch.allclose(ref_weights, plain_weights))
         torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+
+
+def test_expert_scale_keeps_the_op_whole_and_decomposes_on_refbackend():
+    _keeps_the_op_whole_and_decomposes_on_refbackend(_ScaledExperts())
 
 
 class _NormedExperts(torch.nn.Module):
@@ -301,24 +305,8 @@ class _NormedExperts(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", ["rms", "scaled_rms"])
 def test_post_norm_keeps_the_op_whole_and_decomposes_on_refbackend(kind):
-    """`post_norm` through both forms: one op taking the norm's weight, and linalg on RefBackend with the op's
-    numbers (each pair's row normalised with its expert's weight row, or the shared one)."""
-    moe = _NormedExperts(kind)
-    kept = export_mlir(moe, _x(5), output_type="torch", dynamic_shapes=(_tokens(),), fuse=False)
-    assert kept.num_fused_ops == 1
-    lowered = export_mlir(moe, _x(5), output_type="linalg-on-tensors", dynamic_shapes=(_tokens(),), fuse=False)
-    assert lowered.num_fused_ops == 0
-    run = RefBackendFunction(lowered.module)
-    for tokens in (1, 6, 37):
-        x = _x(tokens, seed=tokens)
-        out, weights, ids = run(x)
-        with torch.no_grad():
-            ref_out, ref_weights, ref_ids = moe(x)
-            unnormed = moe.moe(x)[0]
-        assert torch.equal(ids, ref_ids)
-        assert not torch.allclose(ref_out, unnormed)  # the norm is in the output
-        torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+    """Each pair's row normalised with its expert's weight row (rms) or the shared one (scaled_rms)."""
+    _keeps_the_op_whole_and_decomposes_on_refbackend(_NormedExperts(kind))
 
 
 def test_abstract_interp_library_follows_the_schema():

@@ -418,6 +418,39 @@ def gradcheck_op(args, kw) -> bool:
     return torch.autograd.gradcheck(f, [args[i] for i in present])
 
 
+def gradcheck_learned(args, kw, name) -> bool:
+    """`gradcheck_op` with the learned keyword tensor `kw[name]` (expert_scale, post_norm_weight) differentiated too."""
+    present = [i for i in DIFFERENTIABLE if args[i] is not None]
+    scalars = {k: v for k, v in kw.items() if k != name}
+
+    def f(*diff):
+        full = list(args)
+        for i, t in zip(present, diff):
+            full[i] = t
+        out, w, _ = torch.ops.mok.fused_moe(*full, **scalars, **{name: diff[-1]})
+        return out, w
+
+    return torch.autograd.gradcheck(f, [*(args[i] for i in present), kw[name]])
+
+
+def check_learned_compiles_with_dynamic_tokens(args, kw, name):
+    """The fake kernels take the learned keyword tensor `kw[name]`: the op compiled (aot_eager, dynamic token
+    count) gives eager's output, and gradients for x and that tensor, at two token counts."""
+    kw = dict(kw)
+    learned = kw.pop(name)
+
+    def f(x, learned, *weights):
+        return torch.ops.mok.fused_moe(x, *weights, **kw, **{name: learned})[0]
+
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    for T in (args[0].shape[0], 3):
+        x = args[0][:T].detach().requires_grad_()
+        got, want = compiled(x, learned, *args[1:]), f(x, learned, *args[1:])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for a, b in zip(torch.autograd.grad(got.sum(), (x, learned)), torch.autograd.grad(want.sum(), (x, learned))):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 def weights_by_expert(topk_weights, topk_ids) -> dict:
     """The op's routing as {(t, expert): weight}, comparable with `dense_oracle`'s."""
     return {(t, int(e)): topk_weights[t, k] for t in range(topk_ids.shape[0])

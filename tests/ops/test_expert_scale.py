@@ -15,7 +15,8 @@ import torch
 from mok_compile.export.decompose import EXPERTS_FORMS, fused_moe_decomposed
 from mok_compile.ops import reference
 
-from .moe_cases import CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, make_args, routing_probe, weights_by_expert
+from .moe_cases import (CASES_BY_NAME, DIFFERENTIABLE, check_learned_compiles_with_dynamic_tokens, dense_oracle,
+                         gradcheck_learned, make_args, routing_probe, weights_by_expert)
 
 fused_moe = torch.ops.mok.fused_moe.default
 
@@ -60,17 +61,7 @@ def test_expert_scale_matches_the_dense_oracle(case):
 @pytest.mark.parametrize("case", SCALE_CASES[::3], ids=str)
 def test_expert_scale_gradcheck(case):
     args, kw = _scaled(case, T=4, requires_grad=True)
-    present = [i for i in DIFFERENTIABLE if args[i] is not None]
-    scalars = {k: v for k, v in kw.items() if k != "expert_scale"}
-
-    def f(*diff):
-        full = list(args)
-        for i, t in zip(present, diff):
-            full[i] = t
-        out, w, _ = fused_moe(*full, **scalars, expert_scale=diff[-1])
-        return out, w
-
-    assert torch.autograd.gradcheck(f, [*(args[i] for i in present), kw["expert_scale"]])
+    assert gradcheck_learned(args, kw, "expert_scale")
 
 
 @pytest.mark.parametrize("case", SCALE_CASES, ids=str)
@@ -121,18 +112,7 @@ def test_without_the_scale_nothing_changes():
 def test_expert_scale_compiles_with_dynamic_tokens():
     """The fake kernels take the scale: compiled (aot_eager, dynamic token count), forward and backward as eager."""
     args, kw = _scaled(SCALE_CASES[0], T=7, requires_grad=True)
-    scale = kw.pop("expert_scale")
-
-    def f(x, scale, *weights):
-        return fused_moe(x, *weights, **kw, expert_scale=scale)[0]
-
-    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
-    for T in (7, 3):
-        x = args[0][:T].detach().requires_grad_()
-        got, want = compiled(x, scale, *args[1:]), f(x, scale, *args[1:])
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        for a, b in zip(torch.autograd.grad(got.sum(), (x, scale)), torch.autograd.grad(want.sum(), (x, scale))):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    check_learned_compiles_with_dynamic_tokens(args, kw, "expert_scale")
 
 
 def test_expert_scale_at_zero_tokens():

@@ -17,7 +17,8 @@ import torch
 from mok_compile.export.decompose import EXPERTS_FORMS, fused_moe_decomposed
 from mok_compile.ops import reference
 
-from .moe_cases import CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, make_args, routing_probe, weights_by_expert
+from .moe_cases import (CASES_BY_NAME, DIFFERENTIABLE, check_learned_compiles_with_dynamic_tokens, dense_oracle,
+                         gradcheck_learned, make_args, routing_probe, weights_by_expert)
 
 fused_moe = torch.ops.mok.fused_moe.default
 
@@ -79,17 +80,7 @@ def test_post_norm_matches_the_dense_oracle(case, norm):
 @pytest.mark.parametrize("norm", NORMS[:2], ids=str)
 def test_post_norm_gradcheck(norm):
     args, kw = _normed(NORM_CASES[0], norm, T=4, requires_grad=True)
-    present = [i for i in DIFFERENTIABLE if args[i] is not None]
-    scalars = {k: v for k, v in kw.items() if k != "post_norm_weight"}
-
-    def f(*diff):
-        full = list(args)
-        for i, t in zip(present, diff):
-            full[i] = t
-        out, w, _ = fused_moe(*full, **scalars, post_norm_weight=diff[-1])
-        return out, w
-
-    assert torch.autograd.gradcheck(f, [*(args[i] for i in present), kw["post_norm_weight"]])
+    assert gradcheck_learned(args, kw, "post_norm_weight")
 
 
 @pytest.mark.parametrize("norm", NORMS, ids=str)
@@ -169,18 +160,7 @@ def test_post_norm_compiles_with_dynamic_tokens():
     """The fake kernels take the norm weight: compiled (aot_eager, dynamic token count), forward and backward as
     eager."""
     args, kw = _normed(NORM_CASES[0], NORMS[1], T=7, requires_grad=True)
-    weight = kw.pop("post_norm_weight")
-
-    def f(x, weight, *weights):
-        return fused_moe(x, *weights, **kw, post_norm_weight=weight)[0]
-
-    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
-    for T in (7, 3):
-        x = args[0][:T].detach().requires_grad_()
-        got, want = compiled(x, weight, *args[1:]), f(x, weight, *args[1:])
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        for a, b in zip(torch.autograd.grad(got.sum(), (x, weight)), torch.autograd.grad(want.sum(), (x, weight))):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    check_learned_compiles_with_dynamic_tokens(args, kw, "post_norm_weight")
 
 
 def test_post_norm_at_zero_tokens():
