@@ -133,7 +133,7 @@ def backward_rows(y, g, go, w_flat, disp, topk_ids, weight, kw):
     (`segment_sum`), then for a shared [H] weight the experts' fp32 sums added (a fixed-shape torch sum: deterministic);
     in the weight's dtype."""
     TK, H = y.shape
-    dg_rows = torch.empty_like(y)  # in the inputs' dtype, as every other row the backward's reductions read
+    dg_rows = torch.empty((TK, H), dtype=torch.float32, device=y.device)  # summed in fp32, as HF's autograd does
     dw = torch.empty((1, TK), dtype=torch.float32, device=y.device)
     grid, stride_ge, consts = _launch_args(y, g, kw, _BWD_COLS)
     launcher(_backward_rows_kernel)[grid](y, g, go, w_flat, disp.sorted_pair, topk_ids, dg_rows, dw, TK, H,
