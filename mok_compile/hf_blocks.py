@@ -52,8 +52,8 @@ _SINCE = {"longcat_flash": (5, 25)}
 LAYER_FAMILIES = ("gemma4",)
 # Families whose experts normalise each output row before its routing weight (the op's post_norm; transformers 5.25):
 # Muse Spark (an input-scaled RMSNorm; its router's logits are scaled and its experts run on a projection of the
-# tokens, so the logits are the op's router argument) and Ergo (an RMSNorm per expert; fused in fp32 only: in bf16
-# its routing weights are rounded to bf16 and widened again, which the op has no form for). Blocks and text models.
+# tokens, so the logits are the op's router argument) and Ergo (an RMSNorm per expert; in bf16 its routing weights are
+# rounded to bf16 and widened again: the op's round_weights). Blocks and text models.
 POST_NORM_FAMILIES = ("muse_spark", "ergo")
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
 FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2")
