@@ -150,7 +150,8 @@ def describe_block(b) -> str:
     if b.routing is not None:
         r = b.routing
         routing = r.routing
-        extras = [name for name, on in (("renorm", r.renormalize), ("logits_kept", r.router_is_logits)) if on]
+        extras = [name for name, on in (("renorm", r.renormalize), ("logits_kept", r.router_is_logits),
+                                        ("weights_rounded", r.round_weights)) if on]
         if r.routed_scale != 1.0:
             extras.append(f"scale={r.routed_scale:g}")
         if r.n_group > 1:

@@ -193,6 +193,7 @@ def test_ergo_bf16_block_fused_with_rounded_weights(impl):
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     r = report.blocks[0].routing
     assert (r.weights_fp32, r.round_weights) == (True, True)
+    assert "weights_rounded" in describe_block(report.blocks[0])
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL[torch.bfloat16])
 
     x = torch.randn(10, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
