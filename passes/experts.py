@@ -30,12 +30,12 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec
 
 from .dataflow import Dataflow
-from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, meta_value, number, op_name,
+from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, number, op_name,
                        runtime_float_reason, tensor_meta)
 from .post_norm import PostNorm, check_post_norm_placement, find_post_norm
 from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
 from .routing import RouterMatch
-from .validate import concrete
+from .validate import traced_float
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _clamp_limit(between) -> tuple[float, fx.Node | None]:
         if not (is_runtime_float(limit) and len(neg) == 1 and op_name(next(iter(neg))) == "neg"
                 and next(iter(neg)).args[0] is limit):
             raise NoMatch(runtime_float_reason("the clamp limit of the clamped SwiGLU"))
-        return concrete(meta_value(limit)), limit
+        return traced_float(limit), limit
     maxes = {_float_or_node(arg(c, 2, "max")) for c in clamps}
     mins = {_float_or_node(arg(c, 1, "min")) for c in clamps}
     if len(maxes) != 1 or mins != {None, -next(iter(maxes))}:
@@ -178,7 +178,7 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
             adds = [_const(n) for n in between if op_name(n) == "add" and _const(n) is not None]
             if len(scales) + len(read) != 1 or adds != [1.0]:
                 raise NoMatch("clamped SwiGLU has unexpected constants")
-            alpha = scales[0] if scales else concrete(meta_value(read[0]))
+            alpha = scales[0] if scales else traced_float(read[0])
             runtime["alpha"] = read[0] if read else None
         elif kinds == Counter(clamp=2, silu=1, mul=1):  # DeepSeek-V4: silu(g.clamp(max=L)) * u.clamp(-L, L)
             act = "clamped_swiglu"

@@ -41,10 +41,10 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
-from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, meta_value, number, op_name,
+from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name,
                        runtime_float_reason, tensor_meta)
 from .region import NoMatch, Region, getitem_users, router_weight, shape_kept, strip, topk_k
-from .validate import concrete
+from .validate import traced_float
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             expert_scale, stage = _expert_scale(region, _other(u, w)), 4  # only casts may follow
         elif name == "mul" and stage <= 2 and scale == 1.0 and is_runtime_float(_other(u, w)):
             runtime["routed_scale"], stage = _other(u, w), 3
-            scale = concrete(meta_value(runtime["routed_scale"]))
+            scale = traced_float(runtime["routed_scale"])
         elif name in ("mul", "div") and stage <= 3 and is_runtime_float(_other(u, w)):
             raise NoMatch(runtime_float_reason(f"the routing weights' scale ({_other(u, w).name}, with another scale)"))
         else:
@@ -411,7 +411,7 @@ def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, 
         low = number(arg(nxt, 1, "min"))
         if is_runtime_float(arg(nxt, 1, "min")):
             min_node = arg(nxt, 1, "min")
-            low = concrete(meta_value(min_node))
+            low = traced_float(min_node)
         if op_name(nxt) == "clamp" and arg(nxt, 2, "max") is not None or low is None or not 0.0 <= low < math.inf:
             raise NoMatch("routing weights are renormalised by a clamped sum other than clamp(sum, min=m), m >= 0")
         renorm_min, denom = low, nxt

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, meta_value, number, op_name, runtime_float_reason,
+from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name, runtime_float_reason,
                        tensor_meta)
 from .region import NoMatch, getitem_users, strip
-from .validate import concrete
+from .validate import traced_float
 
 
 @dataclass(frozen=True)
@@ -183,5 +183,5 @@ def _half(c) -> tuple[float, fx.Node | None]:
             if number(a) == 2.0 and number(b) is not None:
                 return number(b), None
             if number(a) == 2.0 and is_runtime_float(b):
-                return concrete(meta_value(b)), b
+                return traced_float(b), b
     raise NoMatch(runtime_float_reason(f"the sparsemixer's threshold ({c.name}, not 2 * a float)"))

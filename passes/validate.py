@@ -53,6 +53,12 @@ def concrete(v, subs=None):
     raise TypeError(f"cannot make {v!r} concrete")
 
 
+def traced_float(node) -> float:
+    """The value Dynamo traced for a float the graph reads at run time (a module's float attribute under
+    dynamic=True): what the probe runs the op with, where the op itself reads the node."""
+    return concrete(meta_value(node))
+
+
 def _hint(shape_env, expr):
     """The traced value of a size expression, or None for a data-dependent one (torch >= 2.11 spellings)."""
     get = getattr(shape_env, "guarding_hint_or_throw", None)  # newer torch; size_hint is deprecated there
