@@ -1,0 +1,92 @@
+"""Muse Spark's and Ergo's MoE blocks (a post-expert RMSNorm: the op's `post_norm`) on the GPU: compiled by inductor
+against `backend="mok"`, as a user runs them.
+
+    python -m benchmarks.post_norm [--families muse_spark,ergo] [--tokens 256,4096] [--rounds 3]
+
+Each block from transformers >= 5.25 at a quarter of its experts (64 of 256, top-8), H=4096 (Muse Spark's experts at
+its moe_hidden_size, 3/4 of that), I=2048, bf16, grouped_mm experts, random weights (std 0.02, the norm weights
+around their identity). Forward (no_grad) and forward+backward (loss = mean(out^2); x and every parameter requiring
+grad), medians of `do_bench` over --rounds rounds, the order reversed every other round; printed as ms and the
+compiled baseline's time over mok's (x), with mok's relative error against HF's eager output.
+"""
+
+import argparse
+import statistics
+
+import torch
+from torch._dynamo.utils import counters
+
+import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
+from benchmarks.moe_layer import build_block, fwd_bwd, time_in_rounds
+from mok_compile import hf_blocks
+from mok_compile.backend import mok_backend
+
+SIZES = hf_blocks.BlockSizes(hidden=4096, intermediate=2048, experts=64, top_k=8)
+
+
+def _runners(block):
+    def hf(x):
+        return block(x)
+
+    def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
+        return block(x)
+
+    return {"hf+comp": torch.compile(hf, dynamic=False), "mok+comp": torch.compile(hf_for_mok, backend=mok_backend,
+                                                                                     dynamic=False)}
+
+
+def _norm_weights_near_identity_(block):
+    """The post-norm's weight near its identity (Ergo's 1, Muse Spark's 0 under its 1 + w), not build_block's 0.02."""
+    norm = block.experts.post_expert_norm
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn_like(norm.weight) * 0.1 + (1.0 if norm.weight.dim() == 2 else 0.0))
+
+
+def run_family(family, tokens, rounds):
+    torch._dynamo.reset()
+    block = build_block(family, SIZES, {})
+    _norm_weights_near_identity_(block)
+    params = [p for p in block.parameters() if p.requires_grad]
+    runners = _runners(block)
+    for T in tokens:
+        x = torch.randn(1, T, SIZES.hidden, device="cuda", dtype=torch.bfloat16)
+        fused_before = counters["mok"]["fused_moe"]
+        with torch.no_grad():
+            ref = block(x).float()
+            got = runners["mok+comp"](x).float()
+        if counters["mok"]["fused_moe"] == fused_before:
+            raise SystemExit(f"{family}: backend='mok' fused no MoE block (see mok_compile.diagnostics.explain)")
+        err = ((got - ref).norm() / ref.norm()).item()
+        timed = []
+        for name, fn in runners.items():
+            def forward(fn=fn):
+                with torch.no_grad():
+                    fn(x)
+
+            step = fwd_bwd(fn, x.clone().requires_grad_(), params)
+            step()  # compiled and warm before timing
+            timed += [(("fwd", name), forward), (("fwd+bwd", name), step)]
+        times = time_in_rounds(timed, rounds)
+        for phase in ("fwd", "fwd+bwd"):
+            base, mok = (statistics.median(times[phase, n]) for n in ("hf+comp", "mok+comp"))
+            print(f"{family:>10} {T:>6} {phase:>8} {base:>9.3f} {mok:>9.3f} {base / mok:>6.2f} {err:>9.1e}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="muse_spark,ergo")
+    parser.add_argument("--tokens", default="256,4096")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    families = args.families.split(",")
+    missing = set(families) - set(hf_blocks.available(families))
+    if missing:
+        raise SystemExit(f"{sorted(missing)} need transformers >= 5.25")
+    print(f"post-norm blocks, {SIZES}, bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp)")
+    print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'err vs hf':>9}")
+    for family in families:
+        run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds)
+
+
+if __name__ == "__main__":
+    main()
