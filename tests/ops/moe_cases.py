@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mok_compile.ops import reference
+from mok_compile.ops.library import LEARNED_KWARGS
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, with_defaults
 
 
@@ -431,6 +433,41 @@ def gradcheck_learned(args, kw, name) -> bool:
         return out, w
 
     return torch.autograd.gradcheck(f, [*(args[i] for i in present), kw[name]])
+
+
+def check_learned_against_the_dense_oracle(args, kw, name):
+    """fp64: the op's output, weights (by expert) and every gradient, the learned keyword tensor `kw[name]`'s
+    included (and not zero), equal `dense_oracle`'s."""
+    out, w, ids = torch.ops.mok.fused_moe(*args, **kw)
+    ref_out, ref_weights = dense_oracle(args, kw)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    got_weights = weights_by_expert(w, ids)
+    assert got_weights.keys() == ref_weights.keys()
+    probe = torch.randn_like(out)
+    w_probe = routing_probe(out.shape[0], args[4].shape[0] + with_defaults(kw)["identity_experts"])
+    loss = (out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in got_weights.items())
+    ref_loss = (ref_out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in ref_weights.items())
+    present = [args[i] for i in DIFFERENTIABLE if args[i] is not None] + [kw[name]]
+    grads = torch.autograd.grad(loss, present)
+    ref_grads = torch.autograd.grad(ref_loss, present)
+    assert grads[-1].abs().sum() > 0
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+
+
+def check_learned_reference_backward(args, kw, name):
+    """The reference's hand-written backward (the oracle of the kernels) against autograd through its forward, the
+    learned keyword tensor `kw[name]`'s gradient included."""
+    out, w, ids = reference.fused_moe_reference(*args, **kw)
+    go, gw = torch.randn_like(out), torch.randn_like(w)
+    present = [args[i] for i in DIFFERENTIABLE if args[i] is not None] + [kw[name]]
+    auto = torch.autograd.grad((out * go).sum() + (w * gw).sum(), present)
+    plain = [None if t is None else t.detach() for t in args]
+    grads = reference.fused_moe_backward_reference(go, gw, *plain, w.detach(), ids, **{**kw, name: kw[name].detach()})
+    learned = grads[7 + LEARNED_KWARGS.index(name)]
+    written = [grads[j] for j, i in enumerate(DIFFERENTIABLE) if args[i] is not None] + [learned]
+    for g, r in zip(written, auto, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
 
 
 def check_learned_compiles_with_dynamic_tokens(args, kw, name):

@@ -17,8 +17,9 @@ import torch
 from mok_compile.export.decompose import EXPERTS_FORMS, fused_moe_decomposed
 from mok_compile.ops import reference
 
-from .moe_cases import (CASES_BY_NAME, DIFFERENTIABLE, check_learned_compiles_with_dynamic_tokens, dense_oracle,
-                         gradcheck_learned, make_args, routing_probe, weights_by_expert)
+from .moe_cases import (CASES_BY_NAME, DIFFERENTIABLE, check_learned_against_the_dense_oracle,
+                         check_learned_compiles_with_dynamic_tokens, check_learned_reference_backward,
+                         gradcheck_learned, make_args)
 
 fused_moe = torch.ops.mok.fused_moe.default
 
@@ -61,20 +62,7 @@ def test_post_norm_matches_the_dense_oracle(case, norm):
     """fp64: the output, the weights (by expert) and every gradient, the norm weight's included, equal the
     oracle's."""
     args, kw = _normed(case, norm, requires_grad=True)
-    out, w, ids = fused_moe(*args, **kw)
-    ref_out, ref_weights = dense_oracle(args, kw)
-    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
-    got_weights = weights_by_expert(w, ids)
-    assert got_weights.keys() == ref_weights.keys()
-    probe, w_probe = torch.randn_like(out), routing_probe(*out.shape[:1], case.num_experts)
-    loss = (out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in got_weights.items())
-    ref_loss = (ref_out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in ref_weights.items())
-    present = _differentiable(args, kw)
-    grads = torch.autograd.grad(loss, present)
-    ref_grads = torch.autograd.grad(ref_loss, present)
-    assert grads[-1].abs().sum() > 0
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
+    check_learned_against_the_dense_oracle(args, kw, "post_norm_weight")
 
 
 @pytest.mark.parametrize("norm", NORMS[:2], ids=str)
@@ -87,16 +75,7 @@ def test_post_norm_gradcheck(norm):
 def test_reference_backward_is_autograd_through_the_reference_forward(norm):
     """The reference's hand-written backward (the oracle of the kernels) against autograd through its forward."""
     args, kw = _normed(NORM_CASES[2], norm, requires_grad=True)
-    out, w, ids = reference.fused_moe_reference(*args, **kw)
-    go, gw = torch.randn_like(out), torch.randn_like(w)
-    present = _differentiable(args, kw)
-    auto = torch.autograd.grad((out * go).sum() + (w * gw).sum(), present)
-    plain = [None if t is None else t.detach() for t in args]
-    grads = reference.fused_moe_backward_reference(go, gw, *plain, w.detach(), ids,
-                                                   **{**kw, "post_norm_weight": kw["post_norm_weight"].detach()})
-    written = [grads[j] for j, i in enumerate((0, 1, 2, 4, 5, 6, 7)) if args[i] is not None] + [grads[8]]
-    for g, r in zip(written, auto, strict=True):
-        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    check_learned_reference_backward(args, kw, "post_norm_weight")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
