@@ -36,8 +36,7 @@ _SCALARS = (
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
     "float renorm_min=0.0, int group_top=2, int identity_experts=0, float jitter_eps=0.0, bool round_weights=False, "
-    "str post_norm='none', "
-    "float post_norm_eps=1e-06, float post_norm_offset=0.0"
+    "str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "

@@ -503,9 +503,9 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
                                  renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0,
-                                 round_weights=False, post_norm="none",
-                                 post_norm_eps=1e-6, post_norm_offset=0.0, gate_up_out=None, router_logits=None,
-                                 routing_layout=None, expert_scale=None, post_norm_weight=None):
+                                 round_weights=False, post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0,
+                                 gate_up_out=None, router_logits=None, routing_layout=None, expert_scale=None,
+                                 post_norm_weight=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
 
