@@ -82,11 +82,12 @@ def _activation_rows_kernel(h_ptr, sorted_pair_ptr, ids_ptr, bias_ptr, out_ptr, 
 def _activation_bwd_rows_kernel(h_ptr, g2_ptr, w_ptr, sorted_pair_ptr, ids_ptr, bias_ptr, dh_ptr, act_ptr,
                                 dw_part_ptr, TK, I, stride_h, stride_g2, stride_dh, stride_act, stride_be, col_mul,
                                 up_off, alpha, limit, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-                                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr):
+                                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, UNIT_WEIGHTS: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The epilogue of the Triton `_gate_up_bwd_kernel` as its own pass over the stored h:
     dw_part[pid_n, r] = sum_n g2 * act(h), dh = act'(h) * (w * g2), act_w = w * act(h).
-    Each program reads its tile before writing the same tile, so dh may alias h and act_w g2."""
+    Each program reads its tile before writing the same tile, so dh may alias h and act_w g2.
+    UNIT_WEIGHTS: w = 1 and no dw parts (g2 is already weighted: a post-expert norm's dy gives them)."""
     pid_n = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = pid_n * BLOCK_N
@@ -98,10 +99,14 @@ def _activation_bwd_rows_kernel(h_ptr, g2_ptr, w_ptr, sorted_pair_ptr, ids_ptr, 
     g, u = _load_gate_up(h_ptr, rows64, rmask, n0, I, stride_h, bias_rows, col_mul, up_off, GATED, INTERLEAVED,
                          HAS_BIAS, BLOCK_N)
     g2 = tl.load(g2_ptr + rows64 * stride_g2 + n[None, :], mask=om, other=0.0).to(tl.float32)
-    pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
-    wv = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    if UNIT_WEIGHTS:
+        wv = tl.full((BLOCK_M,), 1.0, tl.float32)
+    else:
+        pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
+        wv = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     a = tl.where(om, act_value_fp32(g, u, alpha, limit, ACT), 0.0)
-    tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(g2 * a, axis=1), mask=rmask)
+    if not UNIT_WEIGHTS:
+        tl.store(dw_part_ptr + pid_n.to(tl.int64) * TK + rows, tl.sum(g2 * a, axis=1), mask=rmask)
     dg, du = act_backward(g, u, g2 * wv[:, None], alpha, limit, ACT)
     DT = dh_ptr.dtype.element_ty
     if INTERLEAVED:
@@ -138,15 +143,18 @@ def activation_bwd_rows(h, g2, w_flat, disp, topk_ids, bias, I, *, gated, interl
                         limit, h_is_saved=False):
     """(dh, w * act, dw_parts [cdiv(I, block columns), TK] fp32); w * act is written over g2 and dh over h (both dead
     afterwards, which keeps the backward's peak memory at one [TK, 2I] + one [TK, I] buffer), except
-    over a saved h (`h_is_saved`: autograd's saved tensor must survive for a retained graph)."""
+    over a saved h (`h_is_saved`: autograd's saved tensor must survive for a retained graph).
+    `w_flat=None`: unit weights, and no dw parts (None)."""
     TK = h.shape[0]
     rows, cols = _BWD_BLOCKS[bool(gated and interleaved)]
     n_parts = cdiv(I, cols)
-    dw_parts = torch.empty((n_parts, TK), dtype=torch.float32, device=h.device)
+    unit = w_flat is None
+    dw_parts = None if unit else torch.empty((n_parts, TK), dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if h_is_saved else h
     launcher(_activation_bwd_rows_kernel)[(cdiv(TK, rows), n_parts)](
-        h, g2, w_flat, disp.sorted_pair, topk_ids, bias if bias is not None else h, dh, g2, dw_parts, TK, I,
-        h.stride(0), g2.stride(0), dh.stride(0), g2.stride(0), bias.stride(0) if bias is not None else 0,
-        col_mul, up_off, alpha, limit, GATED=gated, INTERLEAVED=gated and interleaved, ACT=act,
-        HAS_BIAS=bias is not None, BLOCK_M=rows, BLOCK_N=cols, num_warps=4)
+        h, g2, h if unit else w_flat, disp.sorted_pair, topk_ids, bias if bias is not None else h, dh, g2,
+        h if unit else dw_parts, TK, I, h.stride(0), g2.stride(0), dh.stride(0), g2.stride(0),
+        bias.stride(0) if bias is not None else 0, col_mul, up_off, alpha, limit, GATED=gated,
+        INTERLEAVED=gated and interleaved, ACT=act, HAS_BIAS=bias is not None, UNIT_WEIGHTS=unit, BLOCK_M=rows,
+        BLOCK_N=cols, num_warps=4)
     return dh, g2, dw_parts

@@ -527,7 +527,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
             g2 = cutlass_gemm.grouped_mm(wgrad_go, _kn(down_proj, transposed, backward=True), disp)
         else:
             g2 = _g2_triton(wgrad_go, disp, down_proj, (w2_h, w2_i), I, kw, rows_per_expert, precision, gather=False)
-        dh, act_w, _ = act_bwd(h, g2, torch.ones_like(w_flat))  # its d(topk_weights) parts are the norm's
+        dh, act_w, _ = act_bwd(h, g2, None)  # unit weights: g2 is weighted, and d(topk_weights) is the norm's
         del h, g2
     elif eng["gathered"] == "cutlass" or gate_up_out is not None:
         # Sorted copies of go and x rows for the CUTLASS stages that read them ([T*K, H] each), made just
