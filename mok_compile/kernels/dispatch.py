@@ -338,5 +338,7 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
         **({} if identity is None else dict(
             ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0), num_experts=identity[2],
             IDENTITY=True, ROUND_IDENTITY=identity[3])),
+        # LongCat-Flash's rounding is that of separate ops: no a * b + c contracted to one fma (its fp32 identity term)
+        **({} if identity is None or not identity[3] else dict(enable_fp_fusion=False)),
     )
     return out

@@ -105,15 +105,19 @@ def compare(device, seed):
         ids[1] = torch.arange(K) % E  # one with none
         y[torch.arange(T * K, device=device).view(T, K)[ids >= E]] = float("nan")  # identity rows: never read
         pos = torch.arange(T * K, device=device).view(T, K)
-        out = combine(y, pos, w, None, T, K, dtype, topk_ids=ids, identity=(x, w, E, True))
-        kept = (ids < E).unsqueeze(-1)
-        # LongCat's rounding: the experts' weighted sum rounded, the identity term rounded, then added and rounded
+        out = combine(y, pos, w, None, T, K, dtype, topk_ids=ids, identity=(x, w, E, True)).cpu()
+        # LongCat's rounding: the experts' weighted sum (in slot order, as the combine sums) rounded, the identity
+        # term rounded, then added and rounded; on the CPU, whose ops are each rounded (a GPU's may fuse a * b + c)
+        y, x, w, ids = y.cpu(), x.cpu(), w.cpu(), ids.cpu()
         product = y.view(T, K, H).float() * w.float().unsqueeze(-1)
         if w_dtype == dtype:  # weights in the input dtype: each product rounded (as HF multiplies in that dtype)
             product = product.to(dtype).float()
-        experts = torch.where(kept, product, 0.0).sum(dim=1).to(dtype)
+        product = torch.where((ids < E).unsqueeze(-1), product, 0.0)
+        experts = product[:, 0]
+        for k in range(1, K):
+            experts = experts + product[:, k]
         s = w.masked_fill(ids < E, 0.0).sum(dim=-1, keepdim=True)
-        want = experts + (x * s).to(dtype)
+        want = experts.to(dtype) + (x * s).to(dtype)
         res[f"{dtype}/{w_dtype}"] = bool(torch.equal(out, want))
     return res
 """
