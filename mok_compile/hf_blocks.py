@@ -56,7 +56,7 @@ LAYER_FAMILIES = ("gemma4",)
 # rounded to bf16 and widened again: the op's round_weights). Blocks and text models.
 POST_NORM_FAMILIES = ("muse_spark", "ergo")
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
-FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2")
+FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2", "ergo")
 # Families whose selection bias alone HF keeps in fp32 in a bf16 model.
 FP32_SELECTION_BIAS_FAMILIES = ("deepseek_v4",)
 

@@ -27,8 +27,8 @@ from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defa
 from . import eager_fragments, lone_experts
 from .dataflow import Dataflow
 from .experts import ExpertsMatch, Stack, match_experts, region_form
-from .op_names import module_path, tensor_meta
-from .region import NoMatch, Region, block_anchors, find_region
+from .op_names import CAST_OPS, module_path, tensor_meta
+from .region import NoMatch, Region, block_anchors, find_region, strip
 from .rewrite import emit, plan_rewrite
 from .routing import Flat, RouterMatch, match_router
 from .sharded import sharded_reason, sharding_evidence
@@ -122,9 +122,9 @@ def _minimal_kwargs(routing: RoutingSpec, experts: ExpertSpec) -> dict:
 
 
 def _roles(router: RouterMatch, experts: ExpertsMatch) -> dict:
-    roles = {router.weight: "router"}
+    roles = {strip(router.weight, CAST_OPS): "router"}
     norm_weight = experts.post_norm.weight if experts.post_norm is not None else None
-    for role, operand in (("router_bias", router.bias), ("selection_bias", router.selection_bias),
+    for role, operand in (("router_bias", strip(router.bias, CAST_OPS)), ("selection_bias", router.selection_bias),
                           ("expert_scale", router.expert_scale), ("post_norm_weight", norm_weight),
                           ("gate_up", experts.gate_up), ("gate_up_bias", experts.gate_up_bias),
                           ("down", experts.down), ("down_bias", experts.down_bias)):
@@ -211,6 +211,8 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     for name, node in runtime.items():
         kwargs[name] = node
         plan.keep |= flow.backward_slice([node], stop=lambda n: n not in region.nodes) & region.nodes
+    if not plan.router_is_logits:  # a router weight or bias rounded in the block: the op reads the rounded one
+        plan.keep |= flow.backward_slice(router.rounded_operands(), stop=lambda n: n not in region.nodes) & region.nodes
     emit(gm, flow, region, plan, operands, kwargs)
     report.fused, report.reason = True, ""
 

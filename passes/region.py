@@ -290,19 +290,54 @@ def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.
 _ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "softplus", "sqrt", "add", "masked_fill"} | CAST_OPS
 
 
+def _matrix_transpose(n) -> bool:
+    """``W.t()``, ``W.T``, ``W.mT`` or ``W.transpose(0, 1)`` of a 2-D W."""
+    if not isinstance(n, fx.Node) or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    src = tensor_meta(n.args[0])
+    if src is None or src.dim() != 2:
+        return False
+    name = op_name(n)
+    if name == "getattr":
+        return n.args[1:] in (("T",), ("mT",))
+    if name == "transpose":
+        return sorted(d % 2 for d in n.args[1:]) == [0, 1] if all(isinstance(d, int) for d in n.args[1:]) else False
+    return name == "t"
+
+
 def _fp32_router_mm(n: fx.Node) -> bool:
-    """``torch.mm(x, W.t(), out_dtype=torch.float32)``: fp32 logits from a 16-bit GEMM (Kolibri1's router at
-    inference on CUDA), the same products as ``linear(x.float(), W.float())`` summed in fp32."""
+    """``torch.mm(x, W.t(), out_dtype=torch.float32)`` (or ``W.T``): fp32 logits from a 16-bit GEMM (Kolibri1's and
+    Ergo's routers at inference on CUDA), the same products as ``linear(x.float(), W.float())`` summed in fp32."""
     return (op_name(n) == "mm" and n.kwargs.get("out_dtype") == torch.float32 and len(n.args) == 2
-            and isinstance(n.args[1], fx.Node) and op_name(n.args[1]) == "t")
+            and _matrix_transpose(n.args[1]))
+
+
+def rounding_cast(n) -> bool:
+    """A cast to a dtype that does not hold every value of its input's (fp32 -> bf16, bf16 <-> fp16)."""
+    if not isinstance(n, fx.Node) or op_name(n) not in CAST_OPS or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    src, out = tensor_meta(n.args[0]), tensor_meta(n)
+    return (src is not None and out is not None and out.dtype != src.dtype
+            and out.element_size() <= src.element_size())
+
+
+def past_exact_casts(n):
+    """`n` past the casts that keep every value (widening ones), up to a cast that rounds: the tensor whose values
+    reach `n` unchanged (a block input, or a weight rounded in the block, whose cast then stays outside the op)."""
+    while isinstance(n, fx.Node) and op_name(n) in CAST_OPS and n.args and isinstance(n.args[0], fx.Node):
+        if rounding_cast(n):
+            return n
+        n = n.args[0]
+    return n
 
 
 def router_weight(router_linear: fx.Node):
-    """The [E, H] router weight the linear (or fp32-out mm) reads, past casts."""
+    """The [E, H] router weight the linear (or fp32-out mm) reads, past the casts that keep its values: an fp32
+    weight rounded to 16 bits before an fp32 GEMM (Ergo's, kept in fp32) is the rounded one."""
     w = router_linear.args[1]
     if _fp32_router_mm(router_linear):
         w = w.args[0]
-    return strip(w, CAST_OPS)
+    return past_exact_casts(w)
 
 
 def shape_kept(n: fx.Node) -> bool:

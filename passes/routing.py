@@ -43,7 +43,7 @@ from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
 from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name,
                        runtime_float_reason, tensor_meta)
-from .region import NoMatch, Region, getitem_users, router_weight, shape_kept, strip, topk_k
+from .region import NoMatch, Region, getitem_users, past_exact_casts, router_weight, shape_kept, strip, topk_k
 from .validate import traced_float
 
 
@@ -57,8 +57,8 @@ class Flat:
 @dataclass
 class RouterMatch:
     spec: RoutingSpec
-    weight: fx.Node                        # router weight [E, H]
-    bias: fx.Node | None                   # router bias [E]
+    weight: fx.Node                        # router weight [E, H]: an input, or an input rounded by casts in the block
+    bias: fx.Node | None                   # router bias [E] (the same)
     selection_bias: fx.Node | Flat | None  # bias used only to choose experts
     weights: fx.Node                       # final routing weights [T, K] as the experts use them ([T, E] for D)
     expert_scale: fx.Node | None = None    # per-expert factor of the weights [E] (Gemma 4's per_expert_scale)
@@ -68,7 +68,11 @@ class RouterMatch:
     def input_nodes(self) -> set[fx.Node]:
         """The graph inputs the router reads (weight, biases, expert scale)."""
         sel = self.selection_bias.source if isinstance(self.selection_bias, Flat) else self.selection_bias
-        return {n for n in (self.weight, self.bias, sel, self.expert_scale) if n is not None}
+        return {strip(n, CAST_OPS) for n in (self.weight, self.bias, sel, self.expert_scale) if n is not None}
+
+    def rounded_operands(self) -> list[fx.Node]:
+        """The router's weight and bias where the block rounds them by casts (which then stay in the graph)."""
+        return [n for n in (self.weight, self.bias) if n is not None and strip(n, CAST_OPS) is not n]
 
 
 def _is_last_dim(dim, ndim: int) -> bool:
@@ -136,9 +140,9 @@ def match_router(region: Region) -> RouterMatch:
     else:
         weight = router_weight(lin)
         bias = arg(lin, 2, "bias") if op_name(lin) == "linear" else None
-        bias = strip(bias, CAST_OPS) if isinstance(bias, fx.Node) else None
-    for name, t in (("router weight", weight), ("router bias", bias)):
-        if t is not None and t not in region.inputs:
+        bias = past_exact_casts(bias) if isinstance(bias, fx.Node) else None
+    for name, t in (("router weight", weight), ("router bias", bias)):  # or block inputs rounded (casts kept)
+        if t is not None and strip(t, CAST_OPS) not in region.inputs:
             raise NoMatch(f"{name} ({t.name}) is computed inside the block")
     router_fp32 = (lin is not None and tensor_meta(region.logits).dtype == torch.float32
                    and x_dtype != torch.float32)

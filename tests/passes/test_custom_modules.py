@@ -228,12 +228,42 @@ def test_fp32_out_mm_router_detected():
     _check_fp32_mm_router(report, gm)
 
 
+def _rounded_router_module(device):
+    module = models.Fp32MmRoundedRouterMoE().to(device, torch.bfloat16)
+    module.router.data = module.router.data.float()  # kept in fp32, as HF keeps Ergo's
+    return module
+
+
+def _check_rounded_router(report, gm):
+    """The op reads the fp32 router weight rounded to bf16 (the graph's cast, kept outside the op)."""
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].routing.router_fp32
+    op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
+    router = op.args[1]
+    assert router.op != "placeholder" and tensor_meta(router).dtype == torch.bfloat16, gm.code
+    (source,) = router.all_input_nodes
+    assert source.op == "placeholder" and "router" in source.name and tensor_meta(source).dtype == torch.float32
+
+
+def test_fp32_out_mm_router_of_a_rounded_weight_detected():
+    """``torch.mm(x, W.to(x.dtype).T, out_dtype=torch.float32)`` with W kept in fp32 (Ergo's router on CUDA; traced on
+    meta tensors, structure only): the op gets W rounded to bf16, as the GEMM reads it, not W."""
+    module = _rounded_router_module("meta")
+    gm, example, report, _ = _fuse(module, torch.empty(24, 32, device="meta", dtype=torch.bfloat16), validate=False)
+    _check_rounded_router(report, gm)
+
+
 @pytest.mark.gpu
 def test_fp32_out_mm_router_fused_on_the_gpu():
     torch.manual_seed(0)
     module = models.Fp32MmRouterMoE().to("cuda", torch.bfloat16)
     gm, example, report, eager = _fuse(module, torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))
     _check_fp32_mm_router(report, gm)
+    torch.testing.assert_close(run(gm, example)[0], eager, atol=2e-2, rtol=2e-2)
+    torch.manual_seed(0)
+    module = _rounded_router_module("cuda")
+    gm, example, report, eager = _fuse(module, torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))
+    _check_rounded_router(report, gm)
     torch.testing.assert_close(run(gm, example)[0], eager, atol=2e-2, rtol=2e-2)
 
 

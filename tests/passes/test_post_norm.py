@@ -10,6 +10,7 @@ from mok_compile.diagnostics import describe_block
 from mok_compile.hf_blocks import available, init_moe_weights_, make_block, make_config, new_block
 from mok_compile.ops import reference
 from mok_compile.passes import fuse_moe
+from mok_compile.passes.op_names import tensor_meta
 
 from .helpers import capture, count_fused, run
 
@@ -213,6 +214,24 @@ def test_ergo_bf16_block_fused_with_rounded_weights(impl):
         assert torch.equal(op_output(True, True), want)
         assert not torch.equal(op_output(True, False), want)
         assert not torch.equal(op_output(False, False), want)
+
+
+@pytest.mark.gpu
+def test_ergo_bf16_block_fused_on_cuda():
+    """At inference on CUDA Ergo's router is ``torch.mm(x, W.to(x.dtype).T, out_dtype=torch.float32)`` of its fp32
+    weight: fused, the op reading the weight rounded to bf16 (its cast kept outside the op), output as eager's."""
+    block = make_block("ergo", dtype=torch.bfloat16)
+    init_moe_weights_(block, std=0.2)
+    assert block.gate.linear.weight.dtype == torch.float32  # as HF keeps it
+    block = block.to("cuda")
+    (graph,), eager = capture(block, torch.randn(2, 64, 64, dtype=torch.bfloat16, device="cuda"))
+    gm, example = graph
+    assert any(n.kwargs.get("out_dtype") == torch.float32 for n in gm.graph.nodes), gm.code  # the CUDA router
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    router = _op(gm).args[1]
+    assert router.op != "placeholder" and tensor_meta(router).dtype == torch.bfloat16, gm.code
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL[torch.bfloat16])
 
 
 def _ergo_router_through_fp16(self, hidden_states):
