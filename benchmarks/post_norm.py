@@ -7,7 +7,8 @@ Each block from transformers >= 5.25 at a quarter of its experts (64 of 256, top
 its moe_hidden_size, 3/4 of that), I=2048, bf16, grouped_mm experts, random weights (std 0.02, the norm weights
 around their identity). Forward (no_grad) and forward+backward (loss = mean(out^2); x and every parameter requiring
 grad), medians of `do_bench` over --rounds rounds, the order reversed every other round; printed as ms and the
-compiled baseline's time over mok's (x), with mok's relative error against HF's eager output.
+compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative errors (norms) against HF's
+eager output.
 """
 
 import argparse
@@ -54,9 +55,10 @@ def run_family(family, tokens, rounds):
         with torch.no_grad():
             ref = block(x).float()
             got = runners["mok+comp"](x).float()
+            base_got = runners["hf+comp"](x).float()
         if counters["mok"]["fused_moe"] == fused_before:
             raise SystemExit(f"{family}: backend='mok' fused no MoE block (see mok_compile.diagnostics.explain)")
-        err = ((got - ref).norm() / ref.norm()).item()
+        err, base_err = (((out - ref).norm() / ref.norm()).item() for out in (got, base_got))
         timed = []
         for name, fn in runners.items():
             def forward(fn=fn):
@@ -69,7 +71,8 @@ def run_family(family, tokens, rounds):
         times = time_in_rounds(timed, rounds)
         for phase in ("fwd", "fwd+bwd"):
             base, mok = (statistics.median(times[phase, n]) for n in ("hf+comp", "mok+comp"))
-            print(f"{family:>10} {T:>6} {phase:>8} {base:>9.3f} {mok:>9.3f} {base / mok:>6.2f} {err:>9.1e}")
+            print(f"{family:>10} {T:>6} {phase:>8} {base:>9.3f} {mok:>9.3f} {base / mok:>6.2f} {err:>9.1e} "
+                  f"{base_err:>9.1e}")
 
 
 def main(argv=None):
@@ -83,7 +86,7 @@ def main(argv=None):
     if missing:
         raise SystemExit(f"{sorted(missing)} need transformers >= 5.25")
     print(f"post-norm blocks, {SIZES}, bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp)")
-    print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'err vs hf':>9}")
+    print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'mok err':>9} {'comp err':>9}")
     for family in families:
         run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds)
 
