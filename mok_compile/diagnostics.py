@@ -160,6 +160,8 @@ def describe_block(b) -> str:
             extras.append("ids_given")
         if b.expert_scale:
             extras.append("expert_scale")
+        if b.router_rounded:
+            extras.append("router_rounded")
         if r.identity_experts:
             extras.append(f"identity_experts={r.identity_experts}")
         if r.routing == "sparsemixer":

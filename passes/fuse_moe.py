@@ -59,6 +59,7 @@ class BlockReport:
     dtype: torch.dtype | None = None
     given_ids: bool = False  # the expert ids come from outside the block (hash routing): the op's expert_ids
     expert_scale: bool = False  # the weights are multiplied by a per-expert tensor (Gemma 4): the op's expert_scale
+    router_rounded: bool = False  # the router's weight (or bias) is an input rounded in the block (Ergo's fp32 one)
 
 
 @dataclass
@@ -211,8 +212,9 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     for name, node in runtime.items():
         kwargs[name] = node
         plan.keep |= flow.backward_slice([node], stop=lambda n: n not in region.nodes) & region.nodes
-    if not plan.router_is_logits:  # a router weight or bias rounded in the block: the op reads the rounded one
+    if not plan.router_is_logits and router.rounded_operands():  # rounded in the block: the op reads the rounded one
         plan.keep |= flow.backward_slice(router.rounded_operands(), stop=lambda n: n not in region.nodes) & region.nodes
+        report.router_rounded = True
     emit(gm, flow, region, plan, operands, kwargs)
     report.fused, report.reason = True, ""
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from mok_compile.diagnostics import describe_block
 from mok_compile.passes import MoeFusionError, fuse_moe
 from mok_compile.passes.op_names import tensor_meta
 
@@ -214,6 +215,7 @@ def _check_fp32_mm_router(report, gm):
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     spec = report.blocks[0].routing
     assert (spec.routing, spec.router_fp32, spec.renormalize) == ("topk_sigmoid", True, True)
+    assert not report.blocks[0].router_rounded
     op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
     router, selection_bias = op.args[1], op.args[3]
     assert (router.op, selection_bias.op) == ("placeholder", "placeholder") and "router" in router.name
@@ -237,7 +239,8 @@ def _rounded_router_module(device):
 def _check_rounded_router(report, gm):
     """The op reads the fp32 router weight rounded to bf16 (the graph's cast, kept outside the op)."""
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
-    assert report.blocks[0].routing.router_fp32
+    assert report.blocks[0].routing.router_fp32 and report.blocks[0].router_rounded
+    assert "router_rounded" in describe_block(report.blocks[0])
     op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
     router = op.args[1]
     assert router.op != "placeholder" and tensor_meta(router).dtype == torch.bfloat16, gm.code
