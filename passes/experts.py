@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from mok_compile.ops.spec import ExpertSpec
+from mok_compile.ops.spec import FP32_ACTIVATIONS, ExpertSpec
 
 from .dataflow import Dataflow
 from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, number, op_name,
@@ -196,7 +196,24 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         if key not in table:
             raise NoMatch(f"expert activation {dict(kinds)} is not supported")
         act = table[key]
+    _check_activation_precision(act, between, tensor_meta(first[0]))
     return gated, interleaved, act, alpha, limit, between, {k: v for k, v in runtime.items() if v is not None}
+
+
+def _check_activation_precision(act: str, between, h_meta) -> None:
+    """16-bit experts: the activation's ops compute in fp32 (rounded once) exactly where the op's does
+    (`FP32_ACTIVATIONS`); elsewhere op by op in the experts' dtype. Beam's SwiGLU, ``(silu(g.float()) *
+    u.float()).to(dt)``, rounds once where the op's silu rounds twice."""
+    if h_meta is None or not h_meta.is_floating_point() or h_meta.element_size() >= 4:
+        return
+    wide = any(op_name(n) not in LAYOUT_OPS_NAMES and (m := tensor_meta(n)) is not None and m.is_floating_point()
+               and m.element_size() > h_meta.element_size() for n in between)
+    if wide and act not in FP32_ACTIVATIONS:
+        raise NoMatch(f"the {act} activation is computed in a wider dtype than the experts' {h_meta.dtype} and "
+                      f"rounded once; the op computes it op by op in {h_meta.dtype}")
+    if not wide and act in FP32_ACTIVATIONS:
+        raise NoMatch(f"the {act} activation is computed op by op in the experts' {h_meta.dtype}; the op computes "
+                      "it in fp32 and rounds once")
 
 
 def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],

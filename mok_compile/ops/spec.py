@@ -51,6 +51,9 @@ SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
 GROUPED_ROUTINGS = ("softmax_topk", *SCORE_ROUTINGS)
 GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
+# Activations computed in fp32 and rounded once for 16-bit experts (as their models write them); the others are
+# computed op by op in the experts' dtype, as HF's default `act_fn(gate) * up` is.
+FP32_ACTIVATIONS = ("softcapped_swiglu",)
 # A per-pair RMSNorm of each expert's output, before the routing weight (`ExpertSpec.post_norm`).
 POST_NORMS = ("none", "rms", "scaled_rms")
 

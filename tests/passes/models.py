@@ -150,6 +150,30 @@ class StackedGatherMoE(nn.Module):
         return y.sum(dim=1)
 
 
+class Fp32SwiGLUMoE(StackedGatherMoE):
+    """Beam's experts: the SwiGLU in fp32, rounded once, ``(silu(g.float()) * u.float()).to(h.dtype)``."""
+
+    def experts(self, xs, flat):
+        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        a = (F.silu(gate.float()) * up.float()).to(h.dtype)
+        return torch.bmm(self.w_out[flat], a.unsqueeze(-1)).squeeze(-1)
+
+
+class SoftcappedSwiGLUMoE(StackedGatherMoE):
+    """Inkling2's softcapped SwiGLU, ``cap(g, 4) * sigmoid(g) * cap(u, 25)`` with ``cap(v, c) = tanh(v / c) * c``, in
+    fp32 and rounded once (as Inkling2 writes it), or op by op in the experts' dtype (`in_fp32=False`)."""
+
+    in_fp32 = True
+
+    def experts(self, xs, flat):
+        h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        g, u = (gate.float(), up.float()) if self.in_fp32 else (gate, up)
+        a = ((torch.tanh(g / 4.0) * 4.0) * torch.sigmoid(g) * (torch.tanh(u / 25.0) * 25.0)).to(h.dtype)
+        return torch.bmm(self.w_out[flat], a.unsqueeze(-1)).squeeze(-1)
+
+
 class WeightOnInputMoE(StackedGatherMoE):
     """Routing weights scale the expert input (the op's weight_on_input) in a gathered form the pass does not
     detect (it knows Llama4's dense form): it must be reported and left untouched."""

@@ -15,6 +15,7 @@ from . import models
 from .helpers import capture, count_fused, ops_in, run
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture
@@ -228,6 +229,34 @@ def test_fp32_out_mm_router_detected():
     module = models.Fp32MmRouterMoE().to("meta", torch.bfloat16)
     gm, example, report, _ = _fuse(module, torch.empty(24, 32, device="meta", dtype=torch.bfloat16), validate=False)
     _check_fp32_mm_router(report, gm)
+
+
+def _softcapped_op_by_op():
+    module = models.SoftcappedSwiGLUMoE()
+    module.in_fp32 = False
+    return module
+
+
+@pytest.mark.parametrize("make,dtype,act,reason", [
+    (models.StackedGatherMoE, torch.bfloat16, "silu", None),
+    (models.Fp32SwiGLUMoE, torch.float32, "silu", None),
+    (models.Fp32SwiGLUMoE, torch.bfloat16, "silu", "is computed in a wider dtype than the experts' torch.bfloat16"),
+    (models.SoftcappedSwiGLUMoE, torch.bfloat16, "softcapped_swiglu", None),
+    (_softcapped_op_by_op, torch.bfloat16, "softcapped_swiglu", "is computed op by op in the experts'"),
+], ids=["silu_bf16", "fp32_silu_fp32", "fp32_silu_bf16", "softcapped_fp32_bf16", "softcapped_op_by_op_bf16"])
+def test_activation_precision(make, dtype, act, reason):
+    """16-bit experts: an activation computed in fp32 and rounded once (Beam's SwiGLU) is not the op's silu, which
+    rounds op by op (HF's default), and a softcapped SwiGLU op by op is not the op's, which is in fp32; each such
+    block is left as it is, with its reason. In fp32 experts the two are one; the rest fuse, output as eager's."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(make().to(dtype), torch.randn(24, 32, dtype=dtype))
+    if reason is None:
+        assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+        assert report.blocks[0].experts.activation == act
+        torch.testing.assert_close(run(gm, example)[0], eager, **(TOL if dtype == torch.float32 else BF16_TOL))
+    else:
+        _assert_untouched(gm, example, report, eager, candidates=1)
+        assert f"the {act} activation {reason}" in report.rejected[0].reason, report.rejected[0].reason
 
 
 def _rounded_router_module(device):
