@@ -112,6 +112,20 @@ def floors(T, sizes, experts_hit, ceilings) -> tuple[float, float]:
     return floor_f / 1e9, floor_fb / 1e9
 
 
+def check_expert_sizes(family, block, sizes):
+    """The block's expert weights have the sizes its floors are computed from: a config can map one size onto
+    another (Inkling2's intermediate_size is its moe_intermediate_size), which would silently change the work."""
+    tensors, kw = hf_blocks.op_arguments(family, block)
+    gate_up, down = tensors[3], tensors[5]
+    H, I = (down.shape[2], down.shape[1]) if kw["transposed"] else (down.shape[1], down.shape[2])
+    n_up = (2 if kw["gated"] else 1) * I
+    up_shape = (H, n_up) if kw["transposed"] else (n_up, H)
+    found = (gate_up.shape[0], H, I)
+    if found != (sizes.experts, sizes.hidden, sizes.intermediate) or tuple(gate_up.shape[1:]) != up_shape:
+        raise SystemExit(f"{family}: the block's experts are E, H, I = {found} (gate_up {tuple(gate_up.shape)}), "
+                         f"not the shape's {sizes.experts}, {sizes.hidden}, {sizes.intermediate}")
+
+
 def build_block(family, sizes, overrides):
     """The HF block at real sizes, built directly on the GPU in bf16 (no fp32 CPU copy of the weights)."""
     cfg = hf_blocks.make_config(family, sizes, **overrides)
@@ -376,6 +390,7 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3
     # the "compiled" baseline silently runs eager
     H, I, E, K = sizes.hidden, sizes.intermediate, sizes.experts, sizes.top_k
     block = build_block(family, sizes, overrides)
+    check_expert_sizes(family, block, sizes)
     runners = make_runners(family, block, mode)
     params = [p for p in block.parameters() if p.requires_grad]
     rows = []

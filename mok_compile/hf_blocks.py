@@ -133,9 +133,9 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   + ["full_attention"] * (num_layers % 2),
                                   sliding_window=32, pad_token_id=0, **common)
     elif family == "inkling2":
-        # An fp32 sigmoid router with a selection bias; its softcapped SwiGLU (caps 4 and 25).
-        cfg = tf.Inkling2TextConfig(intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=E,
-                                    num_local_experts=E, **common)
+        # An fp32 sigmoid router with a selection bias; its softcapped SwiGLU (caps 4 and 25). Its config maps
+        # intermediate_size onto moe_intermediate_size (one size for both): only the latter is given.
+        cfg = tf.Inkling2TextConfig(moe_intermediate_size=I, n_routed_experts=E, num_local_experts=E, **common)
     elif family == "longcat_flash":
         # Half as many zero-computation experts as experts (LongCat-Flash: 512 and 256), its routed scale 6; each
         # layer holds two attention sublayers, two dense MLPs (ffn_hidden_size) and one MoE block.

@@ -1,6 +1,12 @@
 """The GPU layer benchmark's table, from a made-up row (the benchmark itself needs a GPU)."""
 
-from benchmarks.moe_layer import table
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.moe_layer import SHAPES, check_expert_sizes, table
+from mok_compile import hf_blocks
 
 
 def _row():
@@ -58,3 +64,24 @@ def test_floor_reads_only_the_experts_hit_forward_and_writes_every_gradient_back
     fwd, fwd_bwd = floors(16384, sizes, 128, ceilings)  # compute-bound
     flops = 16384 * 8 * 3 * 2 * 2048 * 768
     assert abs(fwd - flops / 800e9) < 1e-12 and abs(fwd_bwd - 3 * flops / 800e9) < 1e-12
+
+
+def test_each_shape_builds_experts_of_its_sizes():
+    """Every benchmark shape's block (built on the meta device) has expert weights of the sizes its floors are
+    computed from (a config may map one size onto another: Inkling2's intermediate_size is its moe_intermediate_size);
+    and the check names a block whose sizes differ."""
+    def block_of(family, sizes, overrides):
+        cfg = hf_blocks.make_config(family, sizes, **overrides)
+        with torch.device("meta"):
+            return hf_blocks.new_block(family, cfg)
+
+    checked = 0
+    for family, sizes, overrides, _ in SHAPES.values():
+        if hf_blocks.available([family]) == (family,):
+            check_expert_sizes(family, block_of(family, sizes, overrides), sizes)
+            checked += 1
+    assert checked >= 9
+    family, sizes, overrides, _ = SHAPES["qwen3"]
+    other = dataclasses.replace(sizes, intermediate=sizes.intermediate * 2)
+    with pytest.raises(SystemExit, match="qwen3_moe: the block's experts are E, H, I"):
+        check_expert_sizes(family, block_of(family, other, overrides), sizes)
