@@ -301,7 +301,8 @@ def _matrix_transpose(n) -> bool:
     if name == "getattr":
         return n.args[1:] in (("T",), ("mT",))
     if name == "transpose":
-        return sorted(d % 2 for d in n.args[1:]) == [0, 1] if all(isinstance(d, int) for d in n.args[1:]) else False
+        dims = n.args[1:]
+        return len(dims) == 2 and all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]
     return name == "t"
 
 

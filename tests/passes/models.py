@@ -359,10 +359,12 @@ class Fp32MmRouterMoE(BiasedSigmoidTopKMoE):
 class Fp32MmRoundedRouterMoE(BiasedSigmoidTopKMoE):
     """Ergo's router at inference on CUDA: an fp32 router weight (HF keeps it in fp32) rounded to the input's 16 bits,
     then fp32 logits from the 16-bit GEMM, ``torch.mm(x, W.to(x.dtype).T, out_dtype=torch.float32)``; `.float()` the
-    router after the module's cast to 16 bits."""
+    router after the module's cast to 16 bits. `transposed(W)` spells the transpose (``W.T`` by default)."""
+
+    transposed = staticmethod(lambda w: w.T)
 
     def route(self, x):
-        logits = torch.mm(x, self.router.to(x.dtype).T, out_dtype=torch.float32)
+        logits = torch.mm(x, self.transposed(self.router.to(x.dtype)), out_dtype=torch.float32)
         ids = torch.topk(logits + self.choice_bias, self.top_k, dim=-1)[1]
         w = logits.gather(1, ids).sigmoid()
         return w / w.sum(dim=-1, keepdim=True), ids.reshape(-1)

@@ -259,8 +259,10 @@ def test_activation_precision(make, dtype, act, reason):
         assert f"the {act} activation {reason}" in report.rejected[0].reason, report.rejected[0].reason
 
 
-def _rounded_router_module(device):
+def _rounded_router_module(device, transposed=None):
     module = models.Fp32MmRoundedRouterMoE().to(device, torch.bfloat16)
+    if transposed is not None:
+        module.transposed = transposed
     module.router.data = module.router.data.float()  # kept in fp32, as HF keeps Ergo's
     return module
 
@@ -277,10 +279,13 @@ def _check_rounded_router(report, gm):
     assert source.op == "placeholder" and "router" in source.name and tensor_meta(source).dtype == torch.float32
 
 
-def test_fp32_out_mm_router_of_a_rounded_weight_detected():
+@pytest.mark.parametrize("transposed", [lambda w: w.T, lambda w: w.mT, lambda w: w.t(), lambda w: w.transpose(-1, 0)],
+                         ids=["T", "mT", "t", "transpose"])
+def test_fp32_out_mm_router_of_a_rounded_weight_detected(transposed):
     """``torch.mm(x, W.to(x.dtype).T, out_dtype=torch.float32)`` with W kept in fp32 (Ergo's router on CUDA; traced on
-    meta tensors, structure only): the op gets W rounded to bf16, as the GEMM reads it, not W."""
-    module = _rounded_router_module("meta")
+    meta tensors, structure only), its transpose spelled four ways: the op gets W rounded to bf16, as the GEMM reads
+    it, not W."""
+    module = _rounded_router_module("meta", transposed)
     gm, example, report, _ = _fuse(module, torch.empty(24, 32, device="meta", dtype=torch.bfloat16), validate=False)
     _check_rounded_router(report, gm)
 
