@@ -304,6 +304,10 @@ Tensor activate(const Tensor& h, const MoeOptions& o) {
   if (o.gated) {
     auto [gate, up] = split_gate_up(h, o.interleaved);
     if (act == "silu") return at::silu(gate) * up;
+    if (act == "silu_fp32") {  // Beam: in fp32, rounded once
+      const at::ScalarType acc = acc_dtype(h.scalar_type());
+      return (at::silu(gate.to(acc)) * up.to(acc)).to(h.scalar_type());
+    }
     if (act == "gelu_tanh") return at::gelu(gate, "tanh") * up;
     if (act == "clamped_silu") {
       gate = gate.clamp(std::nullopt, o.limit);
@@ -341,7 +345,7 @@ Tensor activation_backward(const Tensor& h, const Tensor& da, const MoeOptions& 
   if (o.gated) {
     auto [g, u] = split_gate_up(h, o.interleaved);
     Tensor dg, du;
-    if (act == "silu") {
+    if (act == "silu" || act == "silu_fp32") {
       Tensor sg = at::sigmoid(g);
       dg = da * u * sg * (1 + g * (1 - sg));
       du = da * g * sg;

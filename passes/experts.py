@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
 from mok_compile.ops.spec import FP32_ACTIVATIONS, ExpertSpec
@@ -33,7 +34,7 @@ from .dataflow import Dataflow
 from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, number, op_name,
                        runtime_float_reason, tensor_meta)
 from .post_norm import PostNorm, check_post_norm_placement, find_post_norm
-from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, same, strip
+from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, rounding_cast, same, strip
 from .routing import RouterMatch
 from .validate import traced_float
 
@@ -196,16 +197,24 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         if key not in table:
             raise NoMatch(f"expert activation {dict(kinds)} is not supported")
         act = table[key]
-    _check_activation_precision(act, between, tensor_meta(first[0]))
+    act = _with_precision(act, between, tensor_meta(first[0]))
     return gated, interleaved, act, alpha, limit, between, {k: v for k, v in runtime.items() if v is not None}
 
 
-def _check_activation_precision(act: str, between, h_meta) -> None:
-    """16-bit experts: the activation's ops compute in fp32 (rounded once) exactly where the op's does
-    (`FP32_ACTIVATIONS`); elsewhere op by op in the experts' dtype. Beam's SwiGLU, ``(silu(g.float()) *
-    u.float()).to(dt)``, rounds once where the op's silu rounds twice."""
+def _with_precision(act: str, between, h_meta) -> str:
+    """`act` as the op names it at the precision the graph computes it in. 16-bit experts: a SwiGLU whose silu reaches
+    its product unrounded, in fp32, is `silu_fp32` (Beam's ``(silu(g.float()) * u.float()).to(dt)``), else `silu`
+    (HF's default, op by op); any other activation computes in fp32 (rounded once) exactly where the op's does
+    (`FP32_ACTIVATIONS`), and op by op in the experts' dtype elsewhere."""
     if h_meta is None or not h_meta.is_floating_point() or h_meta.element_size() >= 4:
-        return
+        return act
+    if act == "silu" and any(op_name(n) == "mul" for n in between):  # gated
+        if _silu_rounded(between, h_meta):
+            return "silu"
+        dtype = tensor_meta(next(n for n in between if op_name(n) == "silu")).dtype
+        if dtype != torch.float32:
+            raise NoMatch(f"the SwiGLU is computed in {dtype} and rounded once; the op's silu_fp32 computes it in fp32")
+        return "silu_fp32"
     wide = any(op_name(n) not in LAYOUT_OPS_NAMES and (m := tensor_meta(n)) is not None and m.is_floating_point()
                and m.element_size() > h_meta.element_size() for n in between)
     if wide and act not in FP32_ACTIVATIONS:
@@ -214,6 +223,24 @@ def _check_activation_precision(act: str, between, h_meta) -> None:
     if not wide and act in FP32_ACTIVATIONS:
         raise NoMatch(f"the {act} activation is computed op by op in the experts' {h_meta.dtype}; the op computes "
                       "it in fp32 and rounds once")
+    return act
+
+
+def _silu_rounded(between, h_meta) -> bool:
+    """Whether a SwiGLU's silu value is rounded to the experts' 16-bit dtype (or computed in it) before its product
+    with up, walking back from the product's factors through layout ops and casts."""
+    silu = next(n for n in between if op_name(n) == "silu")
+    if tensor_meta(silu).element_size() <= h_meta.element_size():
+        return True
+    mul = next(n for n in between if op_name(n) == "mul")
+    for n in mul.all_input_nodes:
+        rounded = False
+        while n is not silu and op_name(n) in LAYOUT_OPS_NAMES and n.args and isinstance(n.args[0], fx.Node):
+            rounded = rounded or rounding_cast(n)
+            n = n.args[0]
+        if n is silu:
+            return rounded
+    return True
 
 
 def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],

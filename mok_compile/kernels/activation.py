@@ -2,8 +2,9 @@
 
 The forward rounds to the storage dtype after each elementwise op exactly where
 Hugging Face's bf16 module rounds (``silu(gate)`` is a bf16 tensor before it is
-multiplied by ``up``), so the kernel's expert output matches HF's op by op; in
-fp32 every rounding is the identity. The derivative is computed in fp32 without
+multiplied by ``up``), so the kernel's expert output matches HF's op by op (the
+fp32 activations, `spec.FP32_ACTIVATIONS`, round once); in fp32 every rounding is
+the identity. The derivative is computed in fp32 without
 rounding, like the reference backward.
 """
 
@@ -21,6 +22,7 @@ ACTIVATION_CODES = {
     (True, "clamped_silu"): 3,
     (True, "clamped_swiglu"): 9,
     (True, "softcapped_swiglu"): 10,
+    (True, "silu_fp32"): 11,
     (False, "relu2"): 4,
     (False, "relu"): 5,
     (False, "silu"): 6,
@@ -82,6 +84,8 @@ def act_forward(g, u, alpha, limit, ACT: tl.constexpr, DT: tl.constexpr):
         gc = tl.minimum(g, limit)
         uc = tl.minimum(tl.maximum(u, -limit), limit)
         return _r(_r(gc * _sigmoid(gc), DT) * uc, DT)
+    elif ACT == 11:  # Beam: silu(g) * u in fp32, rounded once
+        return _r(g * _sigmoid(g) * u, DT)
     elif ACT == 10:  # Inkling2: cap(g, alpha) * sigmoid(g) * cap(u, limit), cap(v, c) = tanh(v / c) * c, in fp32
         return _r(_tanh(g / alpha) * alpha * _sigmoid(g) * (_tanh(u / limit) * limit), DT)
     elif ACT == 4:  # relu(h)^2
@@ -106,7 +110,7 @@ def act_value_fp32(g, u, alpha, limit, ACT: tl.constexpr):
 @triton.jit
 def act_backward(g, u, da, alpha, limit, ACT: tl.constexpr):
     """(d gate, d up) from d(activation output); for ungated codes d up is zero and unused."""
-    if ACT == 1:
+    if ACT == 1 or ACT == 11:
         sg = _sigmoid(g)
         return da * u * sg * (1.0 + g * (1.0 - sg)), da * g * sg
     elif ACT == 2:

@@ -202,6 +202,8 @@ def activate(h, *, activation, gated, interleaved, alpha, limit):
         gate, up = _split_gate_up(h, interleaved)
         if activation == "silu":
             return F.silu(gate) * up
+        if activation == "silu_fp32":  # Beam: in fp32, rounded once
+            return (F.silu(_upcast(gate)) * _upcast(up)).to(h.dtype)
         if activation == "gelu_tanh":
             return F.gelu(gate, approximate="tanh") * up
         if activation == "clamped_silu":
@@ -364,7 +366,7 @@ def activation_backward(h, da, *, activation, gated, interleaved, alpha, limit):
     """d(loss)/d(h) for the activation, given d(loss)/d(activation output). Explicit derivatives."""
     if gated:
         g, u = _split_gate_up(h, interleaved)
-        if activation == "silu":
+        if activation in ("silu", "silu_fp32"):
             sg = torch.sigmoid(g)
             dg = da * u * sg * (1 + g * (1 - sg))
             du = da * g * sg

@@ -49,11 +49,11 @@ ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoi
 SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
 # The routings that take group-limited selection (n_group > 1).
 GROUPED_ROUTINGS = ("softmax_topk", *SCORE_ROUTINGS)
-GATED_ACTIVATIONS = ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
+GATED_ACTIVATIONS = ("silu", "silu_fp32", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
 UNGATED_ACTIVATIONS = ("relu2", "relu", "silu", "gelu", "gelu_tanh")
 # Activations computed in fp32 and rounded once for 16-bit experts (as their models write them); the others are
 # computed op by op in the experts' dtype, as HF's default `act_fn(gate) * up` is.
-FP32_ACTIVATIONS = ("softcapped_swiglu",)
+FP32_ACTIVATIONS = ("silu_fp32", "softcapped_swiglu")
 # A per-pair RMSNorm of each expert's output, before the routing weight (`ExpertSpec.post_norm`).
 POST_NORMS = ("none", "rms", "scaled_rms")
 
@@ -148,7 +148,8 @@ class ExpertSpec:
     transposed: weights are stored ``[E, H, 2I]`` / ``[E, I, H]`` and applied
         as ``x @ W`` (GPT-OSS) instead of ``F.linear`` layout ``[E, 2I, H]`` /
         ``[E, H, I]``.
-    activation: for gated experts ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or
+    activation: for gated experts ``silu`` (SwiGLU), ``silu_fp32`` (SwiGLU in fp32,
+        rounded once: Beam's ``(silu(g.float()) * u.float()).to(dt)``), ``gelu_tanh`` (GeGLU) or
         ``clamped_silu`` (GPT-OSS: ``(clamp(u,-limit,limit)+1) * g*sigmoid(alpha*g)``
         with ``g = min(g, limit)``) or ``clamped_swiglu`` (DeepSeek-V4:
         ``silu(min(g, limit)) * clamp(u, -limit, limit)``) or ``softcapped_swiglu``

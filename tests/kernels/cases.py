@@ -40,6 +40,9 @@ VARIANTS = {
     "inkling2": (dict(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20,
                       routed_scale=2.5), ExpertSpec(activation="softcapped_swiglu", alpha=0.8, limit=1.5), False, False,
                  True),
+    # Beam: DeepSeek-V3's routing, its SwiGLU in fp32 and rounded once (the op's silu_fp32).
+    "beam": (dict(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True, renorm_eps=1e-20,
+                  routed_scale=2.5), ExpertSpec(activation="silu_fp32"), False, False, True),
     # OpenAI's privacy filter: an fp32 router with a bias, the softmax of the top-k logits / top_k, GPT-OSS's clamped
     # SwiGLU on gate and up halves (not interleaved), [E, H, 2I] experts with biases.
     "privacy_filter": (dict(routing="topk_softmax", router_fp32=True, routed_scale=0.5),
@@ -98,6 +101,7 @@ INTERPRET_CASES = EVERY_VARIANT_FP32 + [
     ("topk_sigmoid_renorm_bias", 23, 32, 16, 8, 3, torch.float16),
     ("lfm2", 19, 40, 24, 8, 2, torch.float16),
     ("inkling2", 19, 40, 24, 8, 2, torch.float16),  # the softcapped SwiGLU's one rounding from fp32
+    ("beam", 19, 40, 24, 8, 2, torch.float16),  # the fp32 SwiGLU's one rounding
     ("phimoe", 19, 40, 24, 8, 2, torch.float16),  # the sparsemixer's masks and softmax rounded to the logits' dtype
     ("sparsemixer_renorm", 70, 32, 16, 16, 3, torch.float32),  # two routing programs, three rounds
 ]

@@ -158,6 +158,9 @@ EXPERT_CASES = [
     Case("clamped_swiglu_bf16", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75), dtype=torch.bfloat16),
     # Inkling2's: tanh(g / alpha) * alpha * sigmoid(g) * tanh(u / limit) * limit, with caps unit-scale activations
     # feel (Inkling2's are 4 and 25).
+    # Beam's SwiGLU in fp32, rounded once.
+    Case("silu_fp32", _r(), ExpertSpec(activation="silu_fp32")),
+    Case("silu_fp32_bf16", _r(), ExpertSpec(activation="silu_fp32"), dtype=torch.bfloat16),
     Case("softcapped_swiglu", _r(), ExpertSpec(activation="softcapped_swiglu", alpha=0.8, limit=1.5)),
     Case("softcapped_swiglu_bf16", _r(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True,
                                       renorm_eps=1e-20, routed_scale=2.5),
@@ -239,7 +242,7 @@ def _sigmoid(v):
 def _activation(h, spec: ExpertSpec, I: int):
     if spec.gated:
         g, u = (h[0::2], h[1::2]) if spec.interleaved else (h[:I], h[I:])
-        if spec.activation == "silu":
+        if spec.activation in ("silu", "silu_fp32"):  # one math: the oracle runs in fp64
             return g * _sigmoid(g) * u
         if spec.activation == "gelu_tanh":
             return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u

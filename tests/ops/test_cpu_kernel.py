@@ -52,7 +52,7 @@ SELECTION_BIAS = {"sigmoid_deepseek_v3", "sigmoid_ungrouped_wdtype", "sqrtsoftpl
 EXPERTS = {
     **{f"{act}_{'interleaved' if inter else 'concat'}": dict(activation=act, gated=True, interleaved=inter,
                                                             limit=0.75)
-       for act in ("silu", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
+       for act in ("silu", "silu_fp32", "gelu_tanh", "clamped_silu", "clamped_swiglu", "softcapped_swiglu")
        for inter in (False, True)},
     **{f"{act}_ungated": dict(activation=act, gated=False) for act in ("relu2", "relu", "silu", "gelu", "gelu_tanh")},
 }

@@ -151,12 +151,14 @@ class StackedGatherMoE(nn.Module):
 
 
 class Fp32SwiGLUMoE(StackedGatherMoE):
-    """Beam's experts: the SwiGLU in fp32, rounded once, ``(silu(g.float()) * u.float()).to(h.dtype)``."""
+    """Beam's experts: the SwiGLU in fp32, rounded once, ``(silu(g.float()) * u.float()).to(h.dtype)`` (in `wide`)."""
+
+    wide = torch.float32
 
     def experts(self, xs, flat):
         h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
         gate, up = h.chunk(2, dim=-1)
-        a = (F.silu(gate.float()) * up.float()).to(h.dtype)
+        a = (F.silu(gate.to(self.wide)) * up.to(self.wide)).to(h.dtype)
         return torch.bmm(self.w_out[flat], a.unsqueeze(-1)).squeeze(-1)
 
 

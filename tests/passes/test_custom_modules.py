@@ -237,26 +237,36 @@ def _softcapped_op_by_op():
     return module
 
 
+def _swiglu_in_fp64():
+    module = models.Fp32SwiGLUMoE()
+    module.wide = torch.float64
+    return module
+
+
 @pytest.mark.parametrize("make,dtype,act,reason", [
     (models.StackedGatherMoE, torch.bfloat16, "silu", None),
     (models.Fp32SwiGLUMoE, torch.float32, "silu", None),
-    (models.Fp32SwiGLUMoE, torch.bfloat16, "silu", "is computed in a wider dtype than the experts' torch.bfloat16"),
+    (models.Fp32SwiGLUMoE, torch.bfloat16, "silu_fp32", None),
+    (_swiglu_in_fp64, torch.bfloat16, None, "the SwiGLU is computed in torch.float64 and rounded once"),
     (models.SoftcappedSwiGLUMoE, torch.bfloat16, "softcapped_swiglu", None),
-    (_softcapped_op_by_op, torch.bfloat16, "softcapped_swiglu", "is computed op by op in the experts'"),
-], ids=["silu_bf16", "fp32_silu_fp32", "fp32_silu_bf16", "softcapped_fp32_bf16", "softcapped_op_by_op_bf16"])
+    (_softcapped_op_by_op, torch.bfloat16, None, "the softcapped_swiglu activation is computed op by op in the "
+                                                 "experts'"),
+], ids=["silu_bf16", "fp32_silu_fp32", "fp32_silu_bf16", "fp64_silu_bf16", "softcapped_fp32_bf16",
+        "softcapped_op_by_op_bf16"])
 def test_activation_precision(make, dtype, act, reason):
-    """16-bit experts: an activation computed in fp32 and rounded once (Beam's SwiGLU) is not the op's silu, which
-    rounds op by op (HF's default), and a softcapped SwiGLU op by op is not the op's, which is in fp32; each such
-    block is left as it is, with its reason. In fp32 experts the two are one; the rest fuse, output as eager's."""
+    """16-bit experts: a SwiGLU computed in fp32 and rounded once (Beam's) is the op's silu_fp32, not its silu, which
+    rounds op by op (HF's default); in fp64 it is neither, and a softcapped SwiGLU op by op is not the op's, which is
+    in fp32: those are left as they are, with their reasons. In fp32 experts silu and silu_fp32 are one (silu). The
+    fused ones: output bitwise eager's in bf16, where the other SwiGLU's rounding is not."""
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(make().to(dtype), torch.randn(24, 32, dtype=dtype))
-    if reason is None:
-        assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
-        assert report.blocks[0].experts.activation == act
-        torch.testing.assert_close(run(gm, example)[0], eager, **(TOL if dtype == torch.float32 else BF16_TOL))
-    else:
+    if reason is not None:
         _assert_untouched(gm, example, report, eager, candidates=1)
-        assert f"the {act} activation {reason}" in report.rejected[0].reason, report.rejected[0].reason
+        assert reason in report.rejected[0].reason, report.rejected[0].reason
+        return
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].experts.activation == act
+    torch.testing.assert_close(run(gm, example)[0], eager, **(TOL if dtype == torch.float32 else BF16_TOL))
 
 
 def _rounded_router_module(device, transposed=None):

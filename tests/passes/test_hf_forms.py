@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from mok_compile.diagnostics import describe_block
 from mok_compile.hf_blocks import FAMILIES, available, init_moe_weights_, make_block, make_config, routed_parts
+from mok_compile.ops import reference
 from mok_compile.passes import fuse_moe
 from mok_compile.passes.op_names import module_path, op_name, tensor_meta
 
@@ -695,6 +696,48 @@ def test_inkling2_softcapped_swiglu_fused(dtype):
     assert (e.activation, e.alpha, e.limit) == ("softcapped_swiglu", 4.0, 25.0)
     assert (r.routing, r.renormalize, r.routed_scale) == ("sigmoid_grouped_topk", True, 8.0)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+
+
+def _beam_block(dtype, impl, default_gate=False):
+    """Beam's MoE block (DeepSeek-V3's routing; its experts' SwiGLU in fp32, rounded once), its router in fp32 as HF
+    keeps it, captured on a [2, 5, 64] input: (gm, example_inputs, eager output, block). `default_gate`: transformers'
+    default `_apply_gate` (op by op in the experts' dtype) in place of Beam's."""
+    modeling = pytest.importorskip("transformers.models.beam.modeling_beam")
+    config = modeling.BeamConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                 n_group=2, topk_group=1)
+    config._experts_implementation = impl
+    block = init_moe_weights_(modeling.BeamMoE(config)).to(dtype).eval()
+    block.gate.float()
+    if default_gate:
+        from transformers.integrations import moe
+
+        block.experts._apply_gate = moe._default_apply_gate.__get__(block.experts)
+    (graph,), eager = capture(block, torch.randn(2, 5, 64, dtype=dtype))
+    return (*graph, eager, block)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("dtype,default_gate,act", [
+    (torch.bfloat16, False, "silu_fp32"), (torch.bfloat16, True, "silu"), (torch.float32, False, "silu"),
+], ids=["bf16", "bf16_default_gate", "fp32"])
+def test_beam_swiglu_in_fp32_fused(dtype, default_gate, act, impl):
+    """Beam's experts compute their SwiGLU in fp32 and round once, ``(silu(g.float()) * u.float()).to(dt)``: in bf16
+    the op's silu_fp32, and with transformers' default gate (op by op) its silu; in fp32 the two are one (silu). Fused,
+    output bitwise eager's in bf16 (where the two SwiGLUs differ on random rows, so each is told from the other), as
+    eager's in fp32."""
+    gm, example, eager, block = _beam_block(dtype, impl, default_gate)
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].experts.activation == act
+    if dtype == torch.float32:  # (batched_mm sums in another order in fp32)
+        torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
+    else:
+        assert torch.equal(_output(run(gm, example)), eager)
+
+        h = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(dtype) * 4
+        a, b = (reference.activate(h, activation=name, gated=True, interleaved=False, alpha=0.0, limit=0.0)
+                for name in ("silu", "silu_fp32"))
+        assert not torch.equal(a, b)
 
 
 def _softcap(v, cap, mul_cap=None):
