@@ -236,7 +236,11 @@ def _silu_rounded(between, h_meta) -> bool:
     for n in mul.all_input_nodes:
         rounded = False
         while n is not silu and op_name(n) in LAYOUT_OPS_NAMES and n.args and isinstance(n.args[0], fx.Node):
-            rounded = rounded or rounding_cast(n)
+            if rounding_cast(n):
+                if tensor_meta(n).dtype != h_meta.dtype:
+                    raise NoMatch(f"the SwiGLU's silu is rounded to {tensor_meta(n).dtype}, not to the experts' "
+                                  f"{h_meta.dtype}")
+                rounded = True
             n = n.args[0]
         if n is silu:
             return rounded

@@ -151,14 +151,19 @@ class StackedGatherMoE(nn.Module):
 
 
 class Fp32SwiGLUMoE(StackedGatherMoE):
-    """Beam's experts: the SwiGLU in fp32, rounded once, ``(silu(g.float()) * u.float()).to(h.dtype)`` (in `wide`)."""
+    """Beam's experts: the SwiGLU in fp32, rounded once, ``(silu(g.float()) * u.float()).to(h.dtype)`` (in `wide`;
+    `silu_rounded_to`: a dtype the silu value is rounded to before the product)."""
 
     wide = torch.float32
+    silu_rounded_to = None
 
     def experts(self, xs, flat):
         h = torch.bmm(self.w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
         gate, up = h.chunk(2, dim=-1)
-        a = (F.silu(gate.to(self.wide)) * up.to(self.wide)).to(h.dtype)
+        s = F.silu(gate.to(self.wide))
+        if self.silu_rounded_to is not None:
+            s = s.to(self.silu_rounded_to).to(self.wide)
+        a = (s * up.to(self.wide)).to(h.dtype)
         return torch.bmm(self.w_out[flat], a.unsqueeze(-1)).squeeze(-1)
 
 

@@ -243,16 +243,27 @@ def _swiglu_in_fp64():
     return module
 
 
+def _silu_rounded_to(dtype):
+    def make():
+        module = models.Fp32SwiGLUMoE()
+        module.silu_rounded_to = dtype
+        return module
+
+    return make
+
+
 @pytest.mark.parametrize("make,dtype,act,reason", [
     (models.StackedGatherMoE, torch.bfloat16, "silu", None),
     (models.Fp32SwiGLUMoE, torch.float32, "silu", None),
     (models.Fp32SwiGLUMoE, torch.bfloat16, "silu_fp32", None),
     (_swiglu_in_fp64, torch.bfloat16, None, "the SwiGLU is computed in torch.float64 and rounded once"),
+    (_silu_rounded_to(torch.bfloat16), torch.bfloat16, "silu", None),  # op by op, the product in fp32: exact
+    (_silu_rounded_to(torch.float16), torch.bfloat16, None, "the SwiGLU's silu is rounded to torch.float16"),
     (models.SoftcappedSwiGLUMoE, torch.bfloat16, "softcapped_swiglu", None),
     (_softcapped_op_by_op, torch.bfloat16, None, "the softcapped_swiglu activation is computed op by op in the "
                                                  "experts'"),
-], ids=["silu_bf16", "fp32_silu_fp32", "fp32_silu_bf16", "fp64_silu_bf16", "softcapped_fp32_bf16",
-        "softcapped_op_by_op_bf16"])
+], ids=["silu_bf16", "fp32_silu_fp32", "fp32_silu_bf16", "fp64_silu_bf16", "silu_rounded_bf16", "silu_rounded_fp16",
+        "softcapped_fp32_bf16", "softcapped_op_by_op_bf16"])
 def test_activation_precision(make, dtype, act, reason):
     """16-bit experts: a SwiGLU computed in fp32 and rounded once (Beam's) is the op's silu_fp32, not its silu, which
     rounds op by op (HF's default); in fp64 it is neither, and a softcapped SwiGLU op by op is not the op's, which is
