@@ -156,11 +156,11 @@ EXPERT_CASES = [
     # DeepSeek-V4's: silu(min(g, limit)) * clamp(u, -limit, limit).
     Case("clamped_swiglu", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75)),
     Case("clamped_swiglu_bf16", _r(), ExpertSpec(activation="clamped_swiglu", limit=0.75), dtype=torch.bfloat16),
-    # Inkling2's: tanh(g / alpha) * alpha * sigmoid(g) * tanh(u / limit) * limit, with caps unit-scale activations
-    # feel (Inkling2's are 4 and 25).
     # Beam's SwiGLU in fp32, rounded once.
     Case("silu_fp32", _r(), ExpertSpec(activation="silu_fp32")),
     Case("silu_fp32_bf16", _r(), ExpertSpec(activation="silu_fp32"), dtype=torch.bfloat16),
+    # Inkling2's: tanh(g / alpha) * alpha * sigmoid(g) * tanh(u / limit) * limit, with caps unit-scale activations
+    # feel (Inkling2's are 4 and 25).
     Case("softcapped_swiglu", _r(), ExpertSpec(activation="softcapped_swiglu", alpha=0.8, limit=1.5)),
     Case("softcapped_swiglu_bf16", _r(routing="sigmoid_grouped_topk", router_fp32=True, renormalize=True,
                                       renorm_eps=1e-20, routed_scale=2.5),
