@@ -284,6 +284,30 @@ def four_autograd_calls(step, T, monkeypatch):
     return runs[0]
 
 
+def learned_tensor_autograd(T, H, I, E, kw, name, draw, monkeypatch, device="cuda"):
+    """A bf16 layer drawn with seed T (x, router, w1, w2, then the op's keyword tensor `name` = `draw(rnd, g)`, then
+    grad_out) through the op's autograd four times (`four_autograd_calls`), that tensor a leaf beside the weights:
+    ((x, router, w1, w2, learned, go), (out, weights, ids, d x, d router, d w1, d w2, d learned))."""
+    g = torch.Generator().manual_seed(T)
+
+    def rnd(*shape, scale):
+        return (torch.randn(shape, generator=g) * scale).to(device, torch.bfloat16)
+
+    x, router = rnd(T, H, scale=1.0), rnd(E, H, scale=H ** -0.5)
+    w1, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
+    learned = draw(rnd, g)
+    go = rnd(T, H, scale=1.0)
+    weights = [t.clone().requires_grad_() for t in (router, w1, w2, learned)]  # one set: graphs key them by address
+
+    def step():
+        leaves = [x.clone().requires_grad_(), *weights]
+        lx, lr, l1, l2, ll = leaves
+        out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw, **{name: ll})
+        return (out, w, ids, *torch.autograd.grad((out * go).sum(), leaves))
+
+    return (x, router, w1, w2, learned, go), four_autograd_calls(step, T, monkeypatch)
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

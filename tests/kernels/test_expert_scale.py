@@ -85,28 +85,13 @@ def test_expert_scale_through_autograd_on_cuda(T, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from mok_compile.ops import reference
-    from tests.kernels.cases import four_autograd_calls, rel_err
+    from tests.kernels.cases import learned_tensor_autograd, rel_err
 
-    g = torch.Generator().manual_seed(T)
     H, I, E, K = 256, 128, 128, 8
-
-    def rnd(*shape, scale):
-        return (torch.randn(shape, generator=g) * scale).to("cuda", torch.bfloat16)
-
-    x, router = rnd(T, H, scale=1.0), rnd(E, H, scale=H ** -0.5)
-    w1, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
-    scale = (torch.rand(E, generator=g) + 0.5).to("cuda", torch.bfloat16)
-    go = rnd(T, H, scale=1.0)
     kw = dict(top_k=K, renormalize=True, activation="gelu_tanh")
-    weights = [t.clone().requires_grad_() for t in (router, w1, w2, scale)]  # one set: graphs key them by address
-
-    def step():
-        leaves = [x.clone().requires_grad_(), *weights]
-        lx, lr, l1, l2, ls = leaves
-        out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw, expert_scale=ls)
-        return (out, w, ids, *torch.autograd.grad((out * go).sum(), leaves))
-
-    out, w, ids, *grads = four_autograd_calls(step, T, monkeypatch)
+    (x, router, w1, w2, scale, go), (out, w, ids, *grads) = learned_tensor_autograd(
+        T, H, I, E, kw, "expert_scale", lambda rnd, g: (torch.rand(E, generator=g) + 0.5).to("cuda", torch.bfloat16),
+        monkeypatch)
     r_out, r_w, r_ids = reference.fused_moe_reference(x, router, None, None, w1, None, w2, None, **kw,
                                                       expert_scale=scale)
     assert torch.equal(ids.sort(-1).values, r_ids.sort(-1).values)

@@ -200,28 +200,13 @@ def test_post_norm_through_autograd_on_cuda(T, kind, per_expert, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from mok_compile.ops import reference
-    from tests.kernels.cases import four_autograd_calls, rel_err
+    from tests.kernels.cases import learned_tensor_autograd, rel_err
 
-    g = torch.Generator().manual_seed(T)
     H, I, E, K = 256, 128, 16, 4
-
-    def rnd(*shape, scale):
-        return (torch.randn(shape, generator=g) * scale).to("cuda", torch.bfloat16)
-
-    x, router = rnd(T, H, scale=1.0), rnd(E, H, scale=H ** -0.5)
-    w1, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
-    weight = rnd(*((E, H) if per_expert else (H,)), scale=0.2)
-    go = rnd(T, H, scale=1.0)
     kw = dict(top_k=K, renormalize=True, post_norm=kind, post_norm_offset=1.0)
-    weights = [t.clone().requires_grad_() for t in (router, w1, w2, weight)]  # one set: graphs key them by address
-
-    def step():
-        leaves = [x.clone().requires_grad_(), *weights]
-        lx, lr, l1, l2, ln = leaves
-        out, w, ids = torch.ops.mok.fused_moe(lx, lr, None, None, l1, None, l2, None, **kw, post_norm_weight=ln)
-        return (out, w, ids, *torch.autograd.grad((out * go).sum(), leaves))
-
-    out, w, ids, *grads = four_autograd_calls(step, T, monkeypatch)
+    (x, router, w1, w2, weight, go), (out, w, ids, *grads) = learned_tensor_autograd(
+        T, H, I, E, kw, "post_norm_weight", lambda rnd, g: rnd(*((E, H) if per_expert else (H,)), scale=0.2),
+        monkeypatch)
     # On the kernel's routing (16-bit logits may tie at the k-th choice, where either pick is right).
     r_out = reference.experts_reference(x, w, ids, w1, None, w2, None, activation="silu", gated=True,
                                         interleaved=False, transposed=False, alpha=1.702, limit=7.0, post_norm=kind,
