@@ -212,8 +212,9 @@ def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cach
     for name, node in runtime.items():
         kwargs[name] = node
         plan.keep |= flow.backward_slice([node], stop=lambda n: n not in region.nodes) & region.nodes
-    if not plan.router_is_logits and router.rounded_operands():  # rounded in the block: the op reads the rounded one
-        plan.keep |= flow.backward_slice(router.rounded_operands(), stop=lambda n: n not in region.nodes) & region.nodes
+    rounded = [] if plan.router_is_logits else router.rounded_operands()
+    if rounded:  # a router weight or bias rounded in the block: the op reads the rounded one, its casts stay
+        plan.keep |= flow.backward_slice(rounded, stop=lambda n: n not in region.nodes) & region.nodes
         report.router_rounded = True
     emit(gm, flow, region, plan, operands, kwargs)
     report.fused, report.reason = True, ""
