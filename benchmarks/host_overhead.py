@@ -90,7 +90,7 @@ def main():
     b = torch.randn(128, 2048, device="cuda", dtype=torch.bfloat16)
 
     scan_args = (counts, chunk_off, e32, e32, e32, 1, 128)
-    h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:]  # what autograd's backward reads
+    h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:6]  # what autograd's backward reads
     rows = {
         "mok.fused_moe forward (no grad)": lambda: torch.ops.mok.fused_moe(*tensors, **kw),
         "mok.fused_moe_backward": lambda: torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw),

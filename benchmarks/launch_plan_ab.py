@@ -63,7 +63,7 @@ def main():
         out, w, ids = torch.ops.mok.fused_moe(*tensors, **kw)
         go = torch.randn_like(out)
         leaves = [t.detach().requires_grad_(t.is_floating_point()) if t is not None else None for t in tensors]
-        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:]
+        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:6]
         calls = {
             "forward": lambda: torch.ops.mok.fused_moe(*tensors, **kw),
             "backward as autograd calls it": lambda: torch.ops.mok.fused_moe_backward(

@@ -8,7 +8,9 @@ its moe_hidden_size, 3/4 of that), I=2048, bf16, grouped_mm experts, random weig
 around their identity). Forward (no_grad) and forward+backward (loss = mean(out^2); x and every parameter requiring
 grad), medians of `do_bench` over --rounds rounds, the order reversed every other round; printed as ms and the
 compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative errors (norms) against HF's
-eager output.
+eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and the parameters), and the peak
+memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated before it) of HF's eager block,
+the compiled baseline and mok.
 """
 
 import argparse
@@ -18,7 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
-from benchmarks.moe_layer import build_block, fwd_bwd, time_in_rounds
+from benchmarks.moe_layer import build_block, fwd_bwd, peak_bytes, time_in_rounds
 from mok_compile import hf_blocks
 from mok_compile.backend import mok_backend
 
@@ -58,21 +60,42 @@ def run_family(family, tokens, rounds):
             base_got = runners["hf+comp"](x).float()
         if counters["mok"]["fused_moe"] == fused_before:
             raise SystemExit(f"{family}: backend='mok' fused no MoE block (see mok_compile.diagnostics.explain)")
-        err, base_err = (((out - ref).norm() / ref.norm()).item() for out in (got, base_got))
-        timed = []
+        errors = {"fwd": [_rel(out, ref) for out in (got, base_got)]}
+        want = _gradients(block, x, params, fwd_bwd)
+        peak, timed, grads = {"eager": peak_bytes(fwd_bwd(block, x.clone().requires_grad_(), params)) / 1e9}, [], {}
         for name, fn in runners.items():
             def forward(fn=fn):
                 with torch.no_grad():
                     fn(x)
 
+            consumed = counters["mok"]["backward_consume"]
+            grads[name] = _gradients(fn, x, params, fwd_bwd)  # compiled and warm before timing
+            if name == "mok+comp" and counters["mok"]["backward_consume"] == consumed:
+                print(f"{family}: the compiled backward does not consume the saved h (and y)")
             step = fwd_bwd(fn, x.clone().requires_grad_(), params)
-            step()  # compiled and warm before timing
+            step()
+            peak[name] = peak_bytes(step) / 1e9
             timed += [(("fwd", name), forward), (("fwd+bwd", name), step)]
+        errors["fwd+bwd"] = [max(_rel(a, b) for a, b in zip(grads[n], want)) for n in ("mok+comp", "hf+comp")]
         times = time_in_rounds(timed, rounds)
         for phase in ("fwd", "fwd+bwd"):
             base, mok = (statistics.median(times[phase, n]) for n in ("hf+comp", "mok+comp"))
+            err, base_err = errors[phase]
+            memory = "" if phase == "fwd" else "".join(f" {peak[n]:>8.2f}" for n in ("eager", "hf+comp", "mok+comp"))
             print(f"{family:>10} {T:>6} {phase:>8} {base:>9.3f} {mok:>9.3f} {base / mok:>6.2f} {err:>9.1e} "
-                  f"{base_err:>9.1e}")
+                  f"{base_err:>9.1e}{memory}")
+
+
+def _rel(got, want) -> float:
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _gradients(fn, x, params, fwd_bwd):
+    """[d x, d params...] of one forward+backward of `fn` (the benchmark's loss)."""
+    x = x.clone().requires_grad_()
+    fwd_bwd(fn, x, params)()
+    return [x.grad, *(p.grad for p in params)]
 
 
 def main(argv=None):
@@ -86,7 +109,8 @@ def main(argv=None):
     if missing:
         raise SystemExit(f"{sorted(missing)} need transformers >= 5.25")
     print(f"post-norm blocks, {SIZES}, bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp)")
-    print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'mok err':>9} {'comp err':>9}")
+    print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'mok err':>9} {'comp err':>9}"
+          f" {'GB eager':>8} {'GB comp':>8} {'GB mok':>8}")
     for family in families:
         run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds)
 

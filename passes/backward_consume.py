@@ -1,8 +1,9 @@
 """Let the compiled backward write dh over the saved h, as the eager backward does (post-grad, inductor).
 
     before:  h (saved by fused_moe_train; a placeholder of the backward graph, read by this node alone)
-               └──> fused_moe_backward(go, gw, x, ..., w, ids, gate_up_out=h) ──> grads
-    after:   h ──> fused_moe_backward_consume(go, gw, x, ..., w, ids, h, if_graph_freed=True) ──> grads
+               └──> fused_moe_backward(go, gw, x, ..., w, ids, gate_up_out=h[, post_norm_input=y]) ──> grads
+    after:   h ──> fused_moe_backward_consume(go, gw, x, ..., w, ids, h, if_graph_freed=True[, post_norm_input=y])
+                     ──> grads      (y too a placeholder read by this node alone; the op writes dy over it)
 
 aot_autograd keeps the functional `fused_moe_backward` in the backward graph (graphs stay functional), so a
 compiled backward holds h and a second [T*K, 2I] buffer for dh at once: one h more than the eager op's
@@ -28,14 +29,17 @@ log = logging.getLogger("mok_compile.passes")
 
 
 def consume_saved_gate_up(graph: fx.Graph) -> int:
-    """Rewrite every `fused_moe_backward` whose `gate_up_out` is a graph input read by it alone; returns how many."""
+    """Rewrite every `fused_moe_backward` whose `gate_up_out` (and `post_norm_input`, where given) is a graph input
+    read by it alone; returns how many."""
     backward = torch.ops.mok.fused_moe_backward.default
     done = 0
     for node in list(graph.nodes):
         if node.target is not backward:
             continue
-        h = node.kwargs.get("gate_up_out")
-        if not isinstance(h, fx.Node) or h.op != "placeholder" or len(h.users) != 1:
+        if not _dead_input(node.kwargs.get("gate_up_out")):
+            continue
+        norm_input = node.kwargs.get("post_norm_input")
+        if norm_input is not None and not _dead_input(norm_input):
             continue
         with graph.inserting_before(node):
             new = graph.call_function(torch.ops.mok.fused_moe_backward_consume.default,
@@ -52,6 +56,11 @@ def consume_saved_gate_up(graph: fx.Graph) -> int:
         counters["mok"]["backward_consume"] += done
         log.info("mok: %d compiled backward(s) write dh over the saved h", done)
     return done
+
+
+def _dead_input(value) -> bool:
+    """A graph input that no node but the one reading it reads (whether the graph is freed is the op's own check)."""
+    return isinstance(value, fx.Node) and value.op == "placeholder" and len(value.users) == 1
 
 
 def _consume_arguments(args, kwargs) -> tuple[tuple, dict]:

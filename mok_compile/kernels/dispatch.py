@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launcher, next_power_of_2
+from .post_norm import normalized
 from .routing import place_pairs, repeats_before, routing_block, routing_warps
 
 
@@ -254,12 +255,16 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
                     K: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCT: tl.constexpr, HAS_EXTRA: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_be=None,
                     HAS_BIAS: tl.constexpr = False, ident_ptr=None, iw_ptr=None, stride_ident=0, num_experts=0,
-                    IDENTITY: tl.constexpr = False, ROUND_IDENTITY: tl.constexpr = False):
+                    IDENTITY: tl.constexpr = False, ROUND_IDENTITY: tl.constexpr = False, norm_r_ptr=None,
+                    norm_g_ptr=None, stride_ge=0, NORM: tl.constexpr = False, NORM_SCALED: tl.constexpr = False,
+                    NORM_PER_EXPERT: tl.constexpr = False):
     """HAS_BIAS: y rows are expert outputs without their bias; add bias[ids[t, k]] (rounded, as the
     GEMM epilogue would) before weighting.
     IDENTITY: pairs whose id is num_experts or more (identity experts) have no y row; their weights (`iw_ptr`) are
     summed into s[t] and s[t] * ident[t] is added (the forward: ident = x, each of the experts' sum and the
-    identity term rounded to the output dtype first, ROUND_IDENTITY; the backward: ident = grad_out, in fp32)."""
+    identity term rounded to the output dtype first, ROUND_IDENTITY; the backward: ident = grad_out, in fp32).
+    NORM: y rows are a post-expert norm's input; each is normalised (`post_norm.normalized`, at its rsqrt
+    norm_r[row] and the g row of its expert, or the shared one) and rounded to the output dtype before weighting."""
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -284,6 +289,14 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
             e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
             b = tl.load(bias_ptr + e[:, None] * stride_be + hcols[None, :], mask=vm, other=0.0).to(tl.float32)
             v = (v + b).to(DT).to(tl.float32)
+        if NORM:
+            g_off = hcols[None, :]
+            if NORM_PER_EXPERT:
+                e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
+                g_off = e[:, None] * stride_ge + g_off
+            g = tl.load(norm_g_ptr + g_off, mask=vm, other=0.0)
+            rr = tl.load(norm_r_ptr + p, mask=rmask, other=0.0)[:, None]
+            v = normalized(v, g, rr, NORM_SCALED, DT).to(DT).to(tl.float32)
         if HAS_W:
             wk = tl.load(w_ptr + rows * K + k, mask=rmask, other=0.0).to(tl.float32)
             v = v * wk[:, None]
@@ -309,7 +322,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
 
 
 def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=None, bias=None, topk_ids=None,
-            identity=None):
+            identity=None, norm=None):
     """out[t] = sum_k w[t, k] * (y[pair_pos[t, k]] (+ bias[topk_ids[t, k]])) (+ extra[t]), summed in slot
     order in fp32.
 
@@ -318,7 +331,9 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
     `identity` = (source [T, H], weights [T, K], num_experts, rounded): the pairs of `topk_ids` past num_experts
     (identity experts) have no y row; s[t] * source[t] is added, s[t] the sum of their weights, where `rounded`
     (the forward) as LongCat-Flash rounds it: s in the weights' dtype, then the experts' sum and the identity term
-    each rounded to out_dtype before they are added."""
+    each rounded to out_dtype before they are added.
+    `norm` = (r [T*K], g [H] or [E, H] fp32, scaled): y is a post-expert norm's input, normalised row by row as it is
+    read (`post_norm.row_rsqrt` gives r; not with a bias or identity experts, as the op's inputs are checked)."""
     if round_product is None:
         round_product = topk_weights is not None and topk_weights.dtype == out_dtype and out_dtype != torch.float32
     H = y.shape[1]
@@ -333,11 +348,14 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
         K=K, HAS_W=topk_weights is not None,
         ROUND_PRODUCT=bool(round_product) and topk_weights is not None,
         HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-        **({} if bias is None and identity is None else dict(ids_ptr=topk_ids)),
+        **({} if bias is None and identity is None and norm is None else dict(ids_ptr=topk_ids)),
         **({} if bias is None else dict(bias_ptr=bias, stride_be=bias.stride(0), HAS_BIAS=True)),
         **({} if identity is None else dict(
             ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0), num_experts=identity[2],
             IDENTITY=True, ROUND_IDENTITY=identity[3])),
+        **({} if norm is None else dict(
+            norm_r_ptr=norm[0], norm_g_ptr=norm[1], stride_ge=norm[1].stride(0) if norm[1].dim() == 2 else 0,
+            NORM=True, NORM_SCALED=norm[2], NORM_PER_EXPERT=norm[1].dim() == 2)),
         # LongCat-Flash's rounding is that of separate ops: no a * b + c contracted to one fma (its fp32 identity term)
         **({} if identity is None or not identity[3] else dict(enable_fp_fusion=False)),
     )

@@ -8,16 +8,17 @@ by E); no host synchronisation):
     scan, scatter -> expert-sorted pairs                dispatch.py (in the route launch for one chunk)
     gate_up  act[r] = act(x[tok(r)] @ W1[e])            grouped_gemm.py (gather in A loads, act in epilogue)
     down     y[r] = act[r] @ W2[e] (+ b2)               grouped_gemm.py
-    (norm    y[r] = post_norm(y[r]) in place            post_norm.py, with a post-expert norm only)
-    combine  out[t] = sum_k w[t,k] * y[pos(t,k)]        dispatch.py (fixed slot order)
+    (rsqrt   r[r] = the norm's rsqrt of row y[r]        post_norm.py, with a post-expert norm only)
+    combine  out[t] = sum_k w[t,k] * y[pos(t,k)]        dispatch.py (fixed slot order; with a post norm,
+                                                        y[pos(t,k)] normalised as it is read)
 The routing weight is applied in the combine, not in the down GEMM's epilogue: HF multiplies
 the rounded expert output by the (often fp32) weight and sums in fp32, and doing it where the
 rows are summed reproduces that at no extra memory traffic.
 
 Backward (autograd saves the op inputs + topk_weights + topk_ids, K * (4 + 8) bytes per token, and from
 `mok::fused_moe_train` h, K * 2I elements per token, the router logits, E elements per token, and the
-dispatch layout, K * 8 bytes per token; a direct call without the last two first recomputes the logits
-and runs count, scan and scatter):
+dispatch layout, K * 8 bytes per token, and with a post-expert norm y, K * H elements per token; a direct call
+without the logits and layout first recomputes the logits and runs count, scan and scatter):
     g2          g2[r] = go[tok(r)] @ W2[e]^T                (gathered GEMM)
     act bwd     from the saved h: dh, w * act(h), partial d(weights) per I-tile (activation_pass.py);
                 without it (MOK_RECOMPUTE_GATE_UP=1, a direct call, weight on input) `_gate_up_bwd_kernel`
@@ -28,12 +29,15 @@ and runs count, scan and scatter):
     dWr = dl^T x, dx_router = dl @ Wr (cuBLAS, router dtype; an fp32 router's on the tensor cores, router_gemm.py),
     combine dx[t] = sum_k dxp[pos(t,k)] + dx_router[t]
 
-Post-expert norm (`post_norm`, Ergo, Muse Spark): the backward recomputes y (`_expert_rows`, the forward's stages;
-from the saved h where there is one, else storing h as the training forward does), then `post_norm.backward_rows`
-gives dy per sorted row (w * go[t] through the norm's backward, written over y), each pair's d(topk_weights) and the
-norm weight's gradient (per-expert sums in sorted order). The chain above then reads dy as already weighted sorted
-rows: g2 = dy @ W2^T ungathered, the activation pass over h with unit weights, dW2 from dy's rows (every engine
-takes them: Triton's wgrad ungathered, CUTLASS's sorted rows as they are, the CUDA kernel's without its gather).
+Post-expert norm (`post_norm`, Ergo, Muse Spark): the training forward also returns y, the norm's input (K * H
+elements per token; the combine normalised it as it read it), and the backward reads it; without it (a direct call,
+MOK_RECOMPUTE_GATE_UP=1) the backward recomputes y (`_expert_rows`, the forward's stages; from the saved h where
+there is one, else storing h as the training forward does). Then `post_norm.backward_rows` gives dy per sorted row
+(w * go[t] through the norm's backward, written over y where y is recomputed or dead after this backward), each
+pair's d(topk_weights) and the norm weight's gradient (per-expert sums in sorted order). The chain above then reads
+dy as already weighted sorted rows: g2 = dy @ W2^T ungathered, the activation pass over h with unit weights, dW2
+from dy's rows (every engine takes them: Triton's wgrad ungathered, CUTLASS's sorted rows as they are, the CUDA
+kernel's without its gather).
 
 GEMM engines (`configs.engine`, per stage, by mean rows per expert): the Triton kernels above, or
 PyTorch's CUTLASS grouped GEMM (`cutlass_gemm.py`; bf16 on Hopper) where it is faster. A CUTLASS
@@ -290,6 +294,21 @@ def _saved_logits(router_logits, T, E, kw):
     return router_logits
 
 
+def _saved_norm_input(post_norm_input, TK, x, kw):
+    """The forward's post-norm input rows y for the backward ([T*K, H] in sorted order, x's dtype), or None where it
+    recomputes them (none given); anything else is the caller's error."""
+    if post_norm_input is None:
+        return None
+    shape = (TK, x.shape[1])
+    if (kw["post_norm"] == "none" or tuple(post_norm_input.shape) != shape or post_norm_input.dtype != x.dtype
+            or post_norm_input.stride(-1) != 1):
+        raise ValueError(f"mok.fused_moe_backward: post_norm_input must be the training forward's {list(shape)} "
+                         f"{x.dtype} rows of a post-expert norm's input (post_norm={kw['post_norm']!r}), got "
+                         f"{post_norm_input.dtype} of shape {tuple(post_norm_input.shape)} and strides "
+                         f"{post_norm_input.stride()}")
+    return post_norm_input
+
+
 def _kept_logits(logits, router, E, kw):
     """The logits `save_gate_up` keeps for the backward: [0, E] where the router argument is the logits (an
     output is never an input's alias)."""
@@ -305,7 +324,8 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     """(out, topk_weights, topk_ids) with the semantics of `reference.fused_moe_reference`; with
     `save_gate_up` (`mok::fused_moe_train`) also what the backward reads instead of recomputing: h = x @ W1
     per pair in sorted order (before bias and activation, in the input dtype), the router logits ([0, E]
-    where the router argument is the logits) and the `Dispatch.layout`. Replayed from a launch plan
+    where the router argument is the logits), the `Dispatch.layout` and with a post-expert norm its input y per
+    pair in sorted order ([0, H] without one). Replayed from a launch plan
     (`plan.py`) where this call's signature has one; at few tokens, from a CUDA graph (`graphs.py`)."""
     kw = with_defaults(kw)
     tensors = (hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
@@ -345,20 +365,24 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         if not save_gate_up:
             return out
         layout = torch.zeros(layout_size(R, 0), dtype=torch.int32, device=x.device)
-        return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, R, kw), layout)
+        norm_input = x.new_empty((0, H))
+        return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, R, kw), layout, norm_input)
     rows_per_expert = T * K / R  # at even routing over the router's choices (identity experts run no rows)
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
     y, h = _expert_rows(x, disp, ids, w, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng,
                         rows_per_expert, save_h=save_gate_up)
-    if kw["post_norm"] != "none":
-        post_norm.normalize_rows(y, disp, ids, post_norm.scale(kw, post_norm_weight), kw)
+    norm = None
+    if kw["post_norm"] != "none":  # the combine normalises y's rows as it reads them; y stays the norm's input
+        g = post_norm.scale(kw, post_norm_weight)
+        norm = (post_norm.row_rsqrt(y, disp, ids, g, kw), g, kw["post_norm"] == "scaled_rms")
     # A CUTLASS down stage leaves the down bias to the combine (never with weight on input: `_engines`).
     out = combine(y, disp.pair_pos, None if kw.get("weight_on_input", False) else w, None, T, K, x.dtype,
                   bias=down_bias if eng["down"] == "cutlass" else None, topk_ids=ids,
-                  identity=_identity(x, w, E, kw, rounded=True))
+                  identity=_identity(x, w, E, kw, rounded=True), norm=norm)
     if not save_gate_up:
         return out, w, ids
-    return out, w, ids, h, _kept_logits(logits, router, R, kw), disp.layout
+    return (out, w, ids, h, _kept_logits(logits, router, R, kw), disp.layout,
+            y if norm is not None else x.new_empty((0, H)))
 
 
 def _expert_rows(x, disp, ids, w, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng, rows_per_expert, *,
@@ -419,17 +443,18 @@ def _bias_ids(ids, E, bias, kw):
 
 _BACKWARD_PLANS = plan.PlanCache()
 # The per-call tensors of a backward (grad_out, grad_topk_weights, hidden_states, topk_weights, topk_ids, h, logits,
-# layout), copied into a graph's buffers; the weights (and the expert scale and post-norm weight, last) key it by
-# address.
-BACKWARD_GRAPHS = graphs.GraphCache(copied=(0, 1, 2, 10, 11, 12, 13, 14))
+# layout, and last the saved norm input), copied into a graph's buffers; the weights (and the expert scale and
+# post-norm weight) key it by address.
+BACKWARD_GRAPHS = graphs.GraphCache(copied=(0, 1, 2, 10, 11, 12, 13, 14, 17))
 _WEIGHTS = (6, 7, 8, 9)  # gate_up_proj, gate_up_bias, down_proj, down_bias among those tensors
 
 
 def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                        gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, **kw):
     """Gradients with the semantics of `reference.fused_moe_backward_reference`. `gate_up_out`, `router_logits`,
-    `routing_layout`: h, the logits and the dispatch layout returned by `fused_moe_forward(save_gate_up=True)`;
-    the backward then skips recomputing them (the gate_up GEMM; the router GEMM; count, scan and scatter).
+    `routing_layout`, `post_norm_input`: h, the logits, the dispatch layout and a post norm's y returned by
+    `fused_moe_forward(save_gate_up=True)`; the backward then skips recomputing them (the gate_up GEMM; the router
+    GEMM; count, scan and scatter; the down GEMM).
     Replayed from a launch plan (`plan.py`) where this call's signature has one; at few tokens, all but the weight
     gradients from a CUDA graph (`graphs.py`), which cannot write the new full-size tensors those are: they are
     launched after each replay, from the graph's dh and w * act(h) and this call's weights."""
@@ -437,7 +462,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
     tensors = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
                gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, kw.pop("gate_up_out", None),
                kw.pop("router_logits", None), kw.pop("routing_layout", None), kw.pop("expert_scale", None),
-               kw.pop("post_norm_weight", None))
+               kw.pop("post_norm_weight", None), kw.pop("post_norm_input", None))
     options = tuple(kw.items())
 
     def planned(*tensors):
@@ -466,7 +491,7 @@ def _free_storage(t):
 
 def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
-              expert_scale, post_norm_weight, defer_weight_gradients=False, **kw):
+              expert_scale, post_norm_weight, post_norm_input, defer_weight_gradients=False, **kw):
     """The backward's launches: (d_x, d_router, d_router_bias, d_expert_scale, d_post_norm_weight, d_gu, d_gu_bias,
     d_down, d_down_bias), the weight gradients last. `defer_weight_gradients` (a graph's capture, T > 0): return
     ((d_x, d_router, d_router_bias, d_expert_scale, d_post_norm_weight), (fn, held, _WEIGHTS)), the weight gradients
@@ -490,6 +515,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
 
     topk_ids = topk_ids.contiguous()
     saved_logits = _saved_logits(router_logits, T, R, kw)  # checked here, before any launch
+    post_norm_input = _saved_norm_input(post_norm_input, T * K, x, kw)
     if routing_layout is not None:
         disp = Dispatch.from_layout(routing_layout, E, K, T * K, num_buckets=R)
     else:
@@ -516,13 +542,18 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     gos = xs = d_post_norm = None
     wgrad_go = go  # the down weight's gradient reads grad_out per token, or with a post norm dy in sorted rows
     if kw["post_norm"] != "none":
-        # What reaches y is the norm's backward of w * go[t]: y recomputed (from the saved h where there is one),
-        # then dy per sorted row, which the chain reads as already weighted rows (unit weights; g2 ungathered).
-        y, h = _expert_rows(x, disp, topk_ids, None, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng,
-                            rows_per_expert, save_h=gate_up_out is None, h=gate_up_out)
+        # What reaches y is the norm's backward of w * go[t]: y as the training forward saved it (else recomputed,
+        # from the saved h where there is one), then dy per sorted row, which the chain reads as already weighted
+        # rows (unit weights; g2 ungathered). dy goes over y where y is recomputed, or saved and dead after this.
+        if post_norm_input is not None:
+            y, h, dy = post_norm_input, gate_up_out, post_norm_input if overwrite_h else None
+        else:
+            y, h = _expert_rows(x, disp, topk_ids, None, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw,
+                                eng, rows_per_expert, save_h=gate_up_out is None, h=gate_up_out)
+            dy = y
         wgrad_go, dw_parts, d_post_norm = post_norm.backward_rows(y, post_norm.scale(kw, post_norm_weight), go,
-                                                                  w_flat, disp, topk_ids, post_norm_weight, kw)
-        del y
+                                                                  w_flat, disp, topk_ids, post_norm_weight, kw, dy=dy)
+        del y, dy
         if eng["gathered"] == "cutlass":
             g2 = cutlass_gemm.grouped_mm(wgrad_go, _kn(down_proj, transposed, backward=True), disp)
         else:

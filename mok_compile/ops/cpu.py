@@ -129,15 +129,18 @@ def _fused_moe_train_cpu(*args, **kw):
         raise RuntimeError("mok::fused_moe_train is for the autograd of mok::fused_moe where "
                            "mok_compile.ops.cpu.saves_gate_up holds (C++ kernel, not weight-on-input)")
     out = torch.ops.mok_cpu.fused_moe_train(*args, **kw)
-    # The C++ backward recomputes the logits and its own expert order: nothing more to keep (empty outputs).
+    # The C++ backward recomputes the logits, its own expert order and a post norm's input: nothing more to keep
+    # (empty outputs).
     width = library.routing_width(args[4], kw)
-    return (*out, *library.saved_routing_like(args[0], args[1], width, kw, kept=False))
+    return (*out, *library.saved_routing_like(args[0], args[1], width, kw, kept=False),
+            args[0].new_empty((0, args[0].shape[1])))
 
 
 def _fused_moe_backward_cpu(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias,
                             gate_up_proj, gate_up_bias, down_proj, down_bias, topk_weights, topk_ids,
-                            gate_up_out=None, router_logits=None, routing_layout=None, **kw):
-    """The C++ backward; it recomputes the routing, so `router_logits` and `routing_layout` are not read."""
+                            gate_up_out=None, router_logits=None, routing_layout=None, post_norm_input=None, **kw):
+    """The C++ backward; it recomputes the routing and a post norm's input, so `router_logits`, `routing_layout` and
+    `post_norm_input` are not read."""
     kw = library.checked_kwargs((hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias,
                                  down_proj, down_bias), kw)
     args = (grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,

@@ -65,6 +65,9 @@ FUSED_MOE_SCHEMA = (
 # `router_logits`, `routing_layout`: the logits and the expert-sorted dispatch layout, saved by `fused_moe_train`
 # on CUDA; given, the CUDA backward skips the router GEMM and count, scan and scatter (others ignore them).
 _SAVED_ROUTING = "Tensor? router_logits=None, Tensor? routing_layout=None"
+# `post_norm_input`: with a post-expert norm, its input y per pair in expert-sorted order, saved by `fused_moe_train`
+# on CUDA; given, the CUDA backward skips the down GEMM that recomputes it (others ignore it).
+_SAVED_NORM_INPUT = "Tensor? post_norm_input=None"
 _GRADS = (
     "(Tensor grad_hidden_states, Tensor grad_router, Tensor? grad_router_bias, Tensor grad_gate_up_proj, "
     "Tensor? grad_gate_up_bias, Tensor grad_down_proj, Tensor? grad_down_bias, Tensor? grad_expert_scale, "
@@ -73,29 +76,30 @@ _GRADS = (
 FUSED_MOE_BACKWARD_SCHEMA = (
     f"fused_moe_backward(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, *, {_SCALARS}, Tensor? gate_up_out=None, {_SAVED_ROUTING}, "
-    f"{_LEARNED_SCHEMA}) -> {_GRADS}"
+    f"{_LEARNED_SCHEMA}, {_SAVED_NORM_INPUT}) -> {_GRADS}"
 )
 
 # The forward autograd runs when gradients are needed (`_saves_gate_up`: CUDA and CPU kernels): also
 # returns h, so that the backward does not recompute the gate_up GEMM, and (`keeps_routing`: CUDA) the
-# router logits ([0, E] where the router argument is the logits) and the dispatch layout; the C++ kernel,
-# whose backward recomputes its own, returns them empty.
+# router logits ([0, E] where the router argument is the logits), the dispatch layout and with a post-expert
+# norm its input y ([0, H] without one: `saves_norm_input`); the C++ kernel, whose backward recomputes its own,
+# returns the last three empty.
 FUSED_MOE_TRAIN_SCHEMA = (
     f"fused_moe_train(Tensor hidden_states, {_WEIGHTS}, *, {_SCALARS}, {_GIVEN_IDS}, {_LEARNED_SCHEMA}) "
     "-> (Tensor out, Tensor topk_weights, Tensor topk_ids, Tensor gate_up_out, Tensor router_logits, "
-    "Tensor routing_layout)"
+    "Tensor routing_layout, Tensor post_norm_input)"
 )
 
-# The backward that consumes the saved h: it may write dh over it (same shape), so that it needs no second
-# [T*K, 2I] buffer, and release its memory once dh is read (the CUDA kernels resize its storage to 0;
-# gate_up_out must not be used afterwards). Autograd's eager backward calls it when the graph is freed
-# after this backward (h is dead). `if_graph_freed`: decide that at run time instead, from the autograd graph
-# task running the call (the compiled backward, `passes.backward_consume`): without one, or under
-# retain_graph, h is only read.
+# The backward that consumes the saved h: it may write dh over it (same shape), so that it needs no second [T*K, 2I]
+# buffer, and release its memory once dh is read (the CUDA kernels resize its storage to 0; gate_up_out must not be
+# used afterwards); a saved post-norm input likewise takes dy. Autograd's eager backward calls it when the graph is
+# freed after this backward (h is dead). `if_graph_freed`: decide that at run time instead, from the autograd graph
+# task running the call (the compiled backward, `passes.backward_consume`): without one, or under retain_graph, h is
+# only read.
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False, "
-    f"{_SAVED_ROUTING}, {_LEARNED_SCHEMA}) -> {_GRADS}"
+    f"{_SAVED_ROUTING}, {_LEARNED_SCHEMA}, Tensor(b!)? post_norm_input=None) -> {_GRADS}"
 )
 
 lib = torch.library.Library("mok", "DEF")
@@ -327,14 +331,21 @@ def _fused_moe_train_fake(hidden_states, router, router_bias, selection_bias, ga
     kw = with_defaults(kw)
     gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
     h = hidden_states.new_empty((ids.numel(), gate_up_cols))
+    norm_input = hidden_states.new_empty((ids.numel() if saves_norm_input(hidden_states, kw) else 0, out.shape[1]))
     return (out, weights, ids, h, *saved_routing_like(hidden_states, router, routing_width(gate_up_proj, kw), kw,
-                                                      kept=keeps_routing(hidden_states)))
+                                                      kept=keeps_routing(hidden_states)), norm_input)
 
 
 def keeps_routing(hidden_states) -> bool:
     """Whether `fused_moe_train` returns the router logits and dispatch layout for its backward: the CUDA kernels;
     the C++ kernel's backward recomputes its own, so it returns them empty."""
     return hidden_states.device.type == "cuda"
+
+
+def saves_norm_input(hidden_states, kw) -> bool:
+    """Whether `fused_moe_train` returns a post-expert norm's input y for its backward ([T*K, H]): the CUDA kernels,
+    which then skip the down GEMM that would recompute it; the C++ kernel's backward recomputes it."""
+    return keeps_routing(hidden_states) and kw.get("post_norm", "none") != "none"
 
 
 def saved_routing_like(hidden_states, router, num_experts, kw, *, kept: bool):
@@ -510,7 +521,7 @@ class _FusedMoeFunction(torch.autograd.Function):
         if _saves_gate_up(args, kwargs):
             out, weights, ids, *saved = _call(torch.ops.mok.fused_moe_train.default, keyset, args, kwargs)
             out = (out, weights, ids)
-            ctx.save_for_backward(*args, weights, ids, *extra, *saved)  # saved: h, router logits, dispatch layout
+            ctx.save_for_backward(*args, weights, ids, *extra, *saved)  # h, router logits, layout, norm input
         else:
             out = _call_below_autograd(torch.ops.mok.fused_moe.default, keyset, args, kwargs)
             ctx.save_for_backward(*args, out[1], out[2], *extra)
@@ -535,9 +546,11 @@ class _FusedMoeFunction(torch.autograd.Function):
         if not rest:
             grads = _call(torch.ops.mok.fused_moe_backward.default, keyset, args, kwargs)
         else:
-            h, logits, layout = rest
+            h, logits, layout, norm_input = rest
             if keeps_routing(tensors[0]):  # what the training forward returned for x's device
                 kwargs = {**kwargs, "router_logits": logits, "routing_layout": layout}
+            if saves_norm_input(tensors[0], kwargs):
+                kwargs["post_norm_input"] = norm_input
             if _gate_up_out_is_dead(h):
                 grads = _call(torch.ops.mok.fused_moe_backward_consume.default, keyset, (*args, h), kwargs)
             else:

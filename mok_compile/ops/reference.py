@@ -507,9 +507,10 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0,
                                  round_weights=False, post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0,
                                  gate_up_out=None, router_logits=None, routing_layout=None, expert_scale=None,
-                                 post_norm_weight=None):
+                                 post_norm_weight=None, post_norm_input=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
-    (`gate_up_out`, `router_logits`, `routing_layout`, what the CUDA kernels' forward saved, are not read).
+    (`gate_up_out`, `router_logits`, `routing_layout`, `post_norm_input`, what the CUDA kernels' forward saved,
+    are not read).
 
     weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.

@@ -105,7 +105,7 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
     res["grad_err"] = {n: rel_err(a, b) for n, a, b in zip(names, grads, r_grads) if b is not None}
     res["grad_missing"] = [n for n, a, b in zip(names, grads, r_grads) if (a is None) != (b is None)]
     if not kw.get("weight_on_input"):  # the training forward's saved h, read by the backward instead of recomputed
-        *fwd, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+        *fwd, h, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
         res["saved_out_equal"] = bool(torch.equal(fwd[0], out))
         saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, **kw)
         res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
@@ -119,7 +119,7 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
         res["consume_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved))
         # The backward as a CUDA graph captures it (`graphs.py`): the weight gradients left to a function run after
         # the rest, on what the rest kept. The same bits.
-        call = (go, gw, *tensors, w, ids, h, logits, layout, None, None)  # None: no expert scale, no post norm
+        call = (go, gw, *tensors, w, ids, h, logits, layout, None, None, None)  # no expert scale, no post norm
         rest, (weight_gradients, held, reads) = moe._backward(*call, defer_weight_gradients=True,
                                                               **with_defaults(kw))
         res["deferred_holds_no_weight"] = not any(t is not None and t.untyped_storage().data_ptr() ==

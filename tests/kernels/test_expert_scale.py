@@ -38,7 +38,7 @@ def compare(device, seed, dtype=torch.float32):
             grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             again = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)  # gw: in ids order
-            *_, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+            *_, h, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
             saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, router_logits=logits,
                                            routing_layout=layout, **kw)
             # A bf16 parameter, as Gemma 4's: its gradient in bf16 (rounded from fp32 sums in different orders).

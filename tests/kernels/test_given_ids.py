@@ -37,7 +37,7 @@ def compare(device, seed, dtype=torch.float32):
             r_out, r_w, _ = reference.fused_moe_reference(*tensors, expert_ids=ids, **kw)
             grads = moe.fused_moe_backward(go, None, *tensors, w, got_ids, **kw)  # counts and sorts the ids itself
             r_grads = reference.fused_moe_backward_reference(go, None, *tensors, r_w, ids, **kw)
-            *_, h, logits, layout = moe.fused_moe_forward(*tensors, expert_ids=ids.int(), save_gate_up=True, **kw)
+            *_, h, logits, layout, _ = moe.fused_moe_forward(*tensors, expert_ids=ids.int(), save_gate_up=True, **kw)
             saved = moe.fused_moe_backward(go, None, *tensors, w, got_ids, gate_up_out=h, router_logits=logits,
                                            routing_layout=layout, **kw)
             names = ("dx", "drouter", None, "dw1", None, "dw2", "db2")

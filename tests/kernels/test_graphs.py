@@ -122,12 +122,13 @@ def test_weights_written_in_place_are_read_and_new_weights_get_their_own_graph(c
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["qwen3", "gpt_oss", "deepseek_v3"])
 def test_training_forward_replays_give_the_launches_bits_for_every_output(cache, monkeypatch, variant):
-    """The training forward (`save_gate_up`): out, weights, ids and what the backward reads (h, logits, layout)."""
+    """The training forward (`save_gate_up`): out, weights, ids and what the backward reads (h, logits, layout, and
+    a post norm's input, [0, H] here)."""
     tensors, kw = make_case(variant, T=45, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
     for step in range(3):
         x = _fresh_x(tensors, step)
         _equal(_forward(tensors, kw, x, save_gate_up=True),
-               _launched(tensors, kw, x, monkeypatch, save_gate_up=True), n=6)
+               _launched(tensors, kw, x, monkeypatch, save_gate_up=True), n=7)
     assert len(cache) == 1
 
 
@@ -146,7 +147,7 @@ def _backward_calls(tensors, kw, seed, form, monkeypatch):
     """(per-call arguments, kwargs) of a backward after a training forward on fresh x (by its launches), with fresh
     grad_out and grad_topk_weights; `form`: "recompute" (no saved tensors), "saved" or "consume" (h overwritten)."""
     x = _fresh_x(tensors, seed)
-    out, w, ids, h, logits, layout = _launched(tensors, kw, x, monkeypatch, save_gate_up=True)
+    out, w, ids, h, logits, layout, _ = _launched(tensors, kw, x, monkeypatch, save_gate_up=True)
     g = generator(seed + 100, "cuda")
     go = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
     gw = torch.randn(w.shape, device="cuda", generator=g).to(w.dtype)

@@ -51,7 +51,7 @@ def one_engine(device, seed, dtype, routings=ROUTINGS + ("given",)):
                 kw.update(routing="softmax_topk", expert_ids=given.to(device))
             out, w, ids = moe.fused_moe_forward(*tensors, **kw)
             r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
-            *_, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+            *_, h, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
             kw.pop("expert_ids", None)  # the backward reads the forward's ids
             grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             again = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)

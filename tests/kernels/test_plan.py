@@ -107,7 +107,7 @@ def test_a_replayed_forward_launches_what_the_normal_path_does(stubbed, variant,
     assert replayed_log == normal_log and len(normal_log) >= 4
     kernels = [kernel for kernel, _, _ in normal_log]
     assert ("_scan_kernel" in kernels) == ("_scatter_kernel" in kernels) == (T > 64), kernels
-    assert len(replayed) == len(normal) == (6 if save else 3)
+    assert len(replayed) == len(normal) == (7 if save else 3)
     for r, n in zip(replayed, normal):
         assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
     if save and variant != "llama4":  # the router logits: computed on the CPU, by the replayed F.linear too
@@ -124,7 +124,7 @@ def test_a_replayed_backward_launches_what_the_normal_path_does(stubbed, variant
     T, E, K = 37, 8, 2
     tensors, kw = make_case(variant, T=T, H=64, I=32, E=E, K=K, dtype=torch.float16)
     log = stubbed
-    _, _, _, h0, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)  # shapes (stubbed)
+    _, _, _, h0, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)  # shapes (stubbed)
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # read by a CPU gather (GPT-OSS)
     w = torch.rand(T, K, generator=g)
@@ -257,7 +257,7 @@ def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans
 
     def step(tensors):
         out = moe.fused_moe_forward(*tensors, **kw)
-        tout, tw, tids, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+        tout, tw, tids, h, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
         go = torch.randn(tout.shape, dtype=tout.dtype, device="cuda", generator=generator(1, "cuda"))
         recomputed = moe.fused_moe_backward(go, None, *tensors, tw, tids, **kw)
         saved = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h.clone(), router_logits=logits,
@@ -395,7 +395,7 @@ def test_a_replay_peaks_no_higher_than_the_normal_path(fresh_plans, monkeypatch,
     T, H, I, E, K = 1024, 512, 256, 8, 2
     tensors, kw = make_case("qwen3", T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
     go = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
-    out, w, ids, h0, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+    out, w, ids, h0, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
 
     def forward():
         moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)

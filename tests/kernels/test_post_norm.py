@@ -1,14 +1,15 @@
 """A post-expert norm (`mok::fused_moe`'s `post_norm`: Ergo's per-expert "rms", Muse Spark's input-scaled
-"scaled_rms") in the Triton kernels: a row pass normalises each pair's expert output in sorted order before the
-combine; the backward recomputes y, runs the norm's backward per row (dy, d(topk_weights), d(post_norm_weight) summed
-per expert in sorted order) and feeds dy to the existing chain as weighted sorted rows. Forward and all 9 gradients
-against the reference on the kernel's routing (with and without the training forward's saved h, logits and layout;
-consuming h; as a CUDA graph's capture defers the weight gradients; twice for the same bits), for both kinds, shared
-[H] and per-expert [E, H] weights, offsets 0 and 1, both weight layouts, gated and ungated experts, on the Triton
-engine and (on the CPU, PyTorch's grouped_mm standing in) the CUTLASS engine's glue. Near misses: the norm pass alone
-must give the reference's 16-bit rows and must not give those of a reference that drops its rounding or reads another
-expert's weight row; the output must move with the weight's rows rolled. Run under TRITON_INTERPRET=1 in a subprocess
-(fp32, fp16), and on the GPU (bf16, fp32, layer sizes, every engine)."""
+"scaled_rms") in the Triton kernels: a row pass takes each pair's rsqrt and the combine normalises each row of y as
+it reads it; the training forward returns y, the norm's input, and the backward reads it (else recomputes it), runs
+the norm's backward per row (dy, d(topk_weights), d(post_norm_weight) summed per expert in sorted order) and feeds
+dy to the existing chain as weighted sorted rows. Forward and all 9 gradients against the reference on the kernel's
+routing (recomputing y; with the training forward's saved h, logits, layout and y; consuming h and y; as a CUDA
+graph's capture defers the weight gradients; twice for the same bits), for both kinds, shared [H] and per-expert [E,
+H] weights, offsets 0 and 1, both weight layouts, gated and ungated experts, on the Triton engine and (on the CPU,
+PyTorch's grouped_mm standing in) the CUTLASS engine's glue. Near misses: the combine with one slot weighted 0.3
+must give the reference's 16-bit rows of each pair and must not give those of a reference that drops its rounding or
+reads another expert's weight row; the output must move with the weight's rows rolled. Run under TRITON_INTERPRET=1
+in a subprocess (fp32, fp16), and on the GPU (bf16, fp32, layer sizes, every engine)."""
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 from mok_compile.kernels import cutlass_gemm, moe, post_norm
-from mok_compile.kernels.dispatch import Dispatch
+from mok_compile.kernels.dispatch import Dispatch, combine
 from mok_compile.ops import reference
 from mok_compile.ops.spec import with_defaults
 from tests.kernels.cases import make_case, rel_err
@@ -67,7 +68,9 @@ def drop_rounding(y, g, *, kind, eps):
 
 
 def rows_check(device, dtype, seed):
-    # The norm pass alone on random sorted rows against the reference per row (its expert's g row): the share of
+    # The norm in the combine on random sorted rows, each slot in turn weighted 0.3 and the others 0 (so that the
+    # output is that slot's normalised row, rounded, times 0.3, rounded), against the reference per row (its expert's
+    # g row) weighted the same: the share of
     # elements whose 16-bit value differs, from the reference, from one without its rounding, from one with the
     # weight's rows rolled (each row read with another expert's g).
     g = torch.Generator().manual_seed(seed)
@@ -79,11 +82,19 @@ def rows_check(device, dtype, seed):
         weight = norm_weight(kind, True, 1.0, E, H, dtype, g).to(device)
         kw = with_defaults(dict(top_k=K, post_norm=kind, post_norm_eps=1e-6, post_norm_offset=1.0))
         y = (torch.randn(T * K, H, generator=g) * 3).to(device, dtype)
-        got = post_norm.normalize_rows(y.clone(), disp, ids, post_norm.scale(kw, weight), kw)
+        g_rows = post_norm.scale(kw, weight)
+        norm = (post_norm.row_rsqrt(y, disp, ids, g_rows, kw), g_rows, kind == "scaled_rms")
+        got = torch.empty_like(y)  # in sorted rows, as the reference's below
+        for k in range(K):
+            one_slot = torch.zeros(T, K, device=device)
+            one_slot[:, k] = 0.3
+            slot = combine(y, disp.pair_pos, one_slot, None, T, K, dtype, topk_ids=ids, norm=norm)
+            got[disp.pair_pos.view(T, K)[:, k].long()] = slot
         row_expert = ids.reshape(-1)[disp.sorted_pair.long()]
 
         def differing(weight_rows, norm=reference.apply_post_norm):
             want = norm(y, reference.post_norm_scale(weight_rows, 1.0)[row_expert], kind=kind, eps=1e-6)
+            want = (want.float() * torch.tensor(0.3)).to(dtype)
             return (got != want).float().mean().item()
 
         res[kind] = dict(ref=differing(weight), dropped=differing(weight, drop_rounding),
@@ -123,13 +134,16 @@ def compare(device, seed):
             grads = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             again = moe.fused_moe_backward(go, gw, *tensors, w, ids, **kw)
             r_grads = reference.fused_moe_backward_reference(go, gw, *tensors, w, ids, **kw)
-            *fwd, h, logits, layout = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+            *fwd, h, logits, layout, y = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+            y_kept = y.clone()
+            recomputed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, router_logits=logits,
+                                                routing_layout=layout, **kw)
             saved = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h, router_logits=logits,
-                                           routing_layout=layout, **kw)
+                                           routing_layout=layout, post_norm_input=y, **kw)
             consumed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h.clone(),
                                               overwrite_gate_up_out=True, router_logits=logits,
-                                              routing_layout=layout, **kw)
-            call = (go, gw, *tensors, w, ids, h, logits, layout, None, weight)
+                                              routing_layout=layout, post_norm_input=y.clone(), **kw)
+            call = (go, gw, *tensors, w, ids, h, logits, layout, None, weight, y)
             rest, (weight_gradients, held, reads) = moe._backward(
                 *call, defer_weight_gradients=True, **with_defaults({k: v for k, v in kw.items()
                                                                       if k != "post_norm_weight"}))
@@ -139,7 +153,8 @@ def compare(device, seed):
             if engine != "auto":
                 del os.environ["MOK_GEMM_ENGINE"]
             res[f"{engine}/{variant}/T{T}/{str(dtype)[6:]}/{kind}/{'EH' if per else 'H'}/off{off:g}"] = dict(
-                saved_out_equal=bool(torch.equal(fwd[0], out)),
+                saved_out_equal=bool(torch.equal(fwd[0], out)), y_shape=tuple(y.shape) == (T * K, H),
+                y_read_only=bool(torch.equal(y, y_kept)),
                 same_bits=all(a is None or torch.equal(a, b) for a, b in zip(grads, again)),
                 consume_equal=all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved)),
                 deferred_equal=all(a is None or torch.equal(a, b) for a, b in zip(deferred, saved)),
@@ -149,7 +164,9 @@ def compare(device, seed):
                                                    weight.roll(1, 0) if per else weight.roll(1))),
                 err=dict(out=rel_err(out, r_out),
                          **{n: rel_err(a, b) for n, a, b in zip(NAMES, grads, r_grads) if b is not None},
-                         **{"saved_" + n: rel_err(a, b) for n, a, b in zip(NAMES, saved, r_grads) if b is not None}))
+                         **{"saved_" + n: rel_err(a, b) for n, a, b in zip(NAMES, saved, r_grads) if b is not None},
+                         **{"recomputed_" + n: rel_err(a, b) for n, a, b in zip(NAMES, recomputed, r_grads)
+                            if b is not None}))
     return res
 """
 
@@ -165,7 +182,7 @@ def _check(results, tol, n_cases):
         assert r["ref"] < 2e-3 and r["dropped"] > 0.05 and r["rolled"] > 0.5, (kind, r)
     assert len(results) == n_cases
     for name, r in results.items():
-        assert r["saved_out_equal"] and r["same_bits"], (name, r)
+        assert r["saved_out_equal"] and r["same_bits"] and r["y_shape"] and r["y_read_only"], (name, r)
         assert r["consume_equal"] and r["deferred_equal"], (name, r)
         assert not r["missing"] and r["n_grads"] == 9 and r["dnorm_dtype"] == "torch." + name.split("/")[3], (name, r)
         limit = tol[name.split("/")[3]]
@@ -216,3 +233,63 @@ def test_post_norm_through_autograd_on_cuda(T, kind, per_expert, monkeypatch):
                                                      **kw, post_norm_weight=weight)
     for got, want in zip(grads, [r_grads[i] for i in (0, 1, 3, 5, 8)]):
         assert got.dtype == want.dtype and rel_err(got, want) < 3e-2, rel_err(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,per_expert", [("rms", True), ("scaled_rms", False)])
+def test_compiled_backward_consumes_the_saved_norm_input(kind, per_expert):
+    """The training forward saves y, the norm's input, and backend="mok" (inductor) hands it to the consuming
+    backward with h (`fused_moe_backward_consume(..., post_norm_input=y)`, which writes dy over it): the eager
+    gradients (the norm weight's too), and under retain_graph y and h are only read: a second backward over the same
+    graph gives the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch._dynamo.utils import counters
+
+    from mok_compile.backend import mok_backend
+    from mok_compile.ops.library import saves_norm_input
+    from tests.kernels.cases import make_case, rel_err
+
+    E, H = 8, 128
+    tensors, kw = make_case("qwen3", T=257, H=H, I=64, E=E, K=2, dtype=torch.bfloat16, device="cuda")
+    kw = dict(kw, post_norm=kind, post_norm_offset=1.0)
+    assert saves_norm_input(tensors[0], kw)
+    weight = (torch.randn((E, H) if per_expert else (H,), device="cuda") * 0.2).to(torch.bfloat16)
+
+    def loss_fn(*ts):
+        *ts, norm_weight = ts
+        out, w, _ = torch.ops.mok.fused_moe(*ts, **kw, post_norm_weight=norm_weight)
+        return out.float().square().mean() + w.float().sum()
+
+    def leaves():
+        return [t.detach().requires_grad_(t.is_floating_point() and i != 3) if t is not None else None
+                for i, t in enumerate((*tensors, weight))]
+
+    def grads(ts):
+        return [t.grad.clone() for t in ts if t is not None and t.requires_grad]
+
+    ts = leaves()
+    loss_fn(*ts).backward()
+    want = grads(ts)
+    torch._dynamo.reset()
+    before = counters["mok"]["backward_consume"]
+    ts = leaves()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(loss_fn, backend=mok_backend, fullgraph=True)(*ts).backward()
+    assert counters["mok"]["backward_consume"] == before + 1
+    assert len(want) == 5  # x, the router, both expert weights, the norm weight
+    for a, b in zip(grads(ts), want):
+        assert a.dtype == b.dtype and rel_err(a, b) < 1e-2
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(donated_buffer=False):
+        ts = leaves()
+        loss = torch.compile(loss_fn, backend=mok_backend, fullgraph=True)(*ts)
+    loss.backward(retain_graph=True)
+    first = grads(ts)
+    for t in ts:
+        if t is not None:
+            t.grad = None
+    loss.backward()  # reads the saved h and y again: the first backward must have left them
+    for a, b in zip(grads(ts), first):
+        assert torch.equal(a, b)

@@ -323,7 +323,7 @@ def test_autograd_through_the_op_uses_cuda_kernels(variant):
     o.float().square().mean().backward()
     saved = {}  # what autograd saved: h, logits and dispatch layout from the training forward (not weight on input)
     if not kw.get("weight_on_input"):
-        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:]
+        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)[3:6]
         saved = dict(gate_up_out=h, router_logits=logits, routing_layout=layout)
     direct = torch.ops.mok.fused_moe_backward(o.grad, torch.ones_like(w), *tensors, w.detach(), ids, **kw, **saved)
     for name, leaf, d in zip(GRAD_NAMES, (leaves[0], leaves[1], leaves[2], leaves[4], leaves[5], leaves[6], leaves[7]),
@@ -383,7 +383,7 @@ def test_backward_consume_writes_dh_over_h(variant):
     """`mok::fused_moe_backward_consume` (autograd's last backward) gives the gradients of the plain
     backward bit for bit, and frees the saved h it wrote dh over (its storage resized to 0)."""
     tensors, kw = make_case(variant, T=333, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
-    out, w, ids, h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    out, w, ids, h, logits, layout, _ = torch.ops.mok.fused_moe_train(*tensors, **kw)
     go = torch.randn_like(out)
     plain = torch.ops.mok.fused_moe_backward(go, torch.ones_like(w), *tensors, w, ids, **kw, gate_up_out=h)
     assert h.untyped_storage().nbytes() == h.numel() * h.element_size()
@@ -454,7 +454,7 @@ def test_autograd_backward_reads_the_saved_routing(variant, monkeypatch):
 
 def test_backward_rejects_a_wrong_routing_layout():
     tensors, kw = make_case("qwen3", T=64, H=64, I=32, E=4, K=2, dtype=torch.bfloat16, device=DEV)
-    out, w, ids, h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    out, w, ids, h, logits, layout, _ = torch.ops.mok.fused_moe_train(*tensors, **kw)
     go = torch.randn_like(out)
     with pytest.raises(ValueError, match="routing_layout must be"):
         torch.ops.mok.fused_moe_backward(go, None, *tensors, w, ids, **kw, routing_layout=layout[1:])
@@ -702,7 +702,7 @@ def test_given_expert_ids(variant, T):
     torch.autograd.backward((out, w), (go, gw))
     saved = {}
     if not kw.get("weight_on_input"):
-        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw, expert_ids=ids)[3:]
+        h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw, expert_ids=ids)[3:6]
         saved = dict(gate_up_out=h, router_logits=logits, routing_layout=layout)
     direct = torch.ops.mok.fused_moe_backward(go, gw, *tensors, w.detach(), ids, **kw, **saved)
     for name, leaf, d in zip(GRAD_NAMES, (leaves[0], leaves[1], leaves[2], leaves[4], leaves[5], leaves[6], leaves[7]),

@@ -126,9 +126,10 @@ def check_against_reference(tensors, kw, fwd_rel, bwd_rel, seed=1):
         grads = torch.ops.mok.fused_moe_backward(*args, **kw)
         assert_grads_close(grads, args, kw, bwd_rel)
     if cpu.saves_gate_up(tensors[0], kw):  # the training path: h saved by the forward, read by the backward
-        t_out, t_w, t_ids, h, logits, layout = torch.ops.mok.fused_moe_train(*tensors, **kw)
+        t_out, t_w, t_ids, h, logits, layout, norm_input = torch.ops.mok.fused_moe_train(*tensors, **kw)
         assert torch.equal(t_out, out) and torch.equal(t_w, w) and torch.equal(t_ids, ids)
-        assert logits.numel() == 0 and layout.numel() == 0  # the C++ backward recomputes the routing
+        # The C++ backward recomputes the routing and any post norm's input.
+        assert logits.numel() == 0 and layout.numel() == 0 and norm_input.numel() == 0
         args = (grad_out, grad_w, *tensors, w, ids)
         saved_h = h.clone()
         grads = torch.ops.mok.fused_moe_backward(*args, **kw, gate_up_out=h)

@@ -96,6 +96,41 @@ def test_near_miss_h_computed_in_the_graph_is_left_alone():
     assert consume_saved_gate_up(graph) == 0
 
 
+def _with_saved_norm_input(graph, second_reader: bool):
+    """The backward node given a post norm's saved input y as a new graph input (the CUDA training forward's output;
+    the pass reads the graph only), with or without another node reading y."""
+    (node,) = [n for n in graph.nodes if n.target is BACKWARD]
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_input):
+        y = graph.placeholder("post_norm_input")
+    node.update_kwarg("post_norm_input", y)
+    if second_reader:
+        with graph.inserting_after(node):
+            graph.call_function(torch.ops.aten.sum.default, (y,))
+    return node, y
+
+
+def test_saved_norm_input_read_once_is_consumed_with_h():
+    args, kw = _case()
+    _, graph = _grads(args, kw)
+    _, y = _with_saved_norm_input(graph, second_reader=False)
+    assert consume_saved_gate_up(graph) == 1
+    (new,) = [n for n in graph.nodes if n.target is CONSUME]
+    assert new.kwargs["post_norm_input"] is y
+    (mutated,) = [a.name for a in CONSUME._schema.arguments if a.alias_info and a.alias_info.is_write
+                  and a.kwarg_only]
+    assert mutated == "post_norm_input"  # the consuming op declares that it may write dy over it
+
+
+def test_near_miss_norm_input_read_elsewhere_is_left_alone():
+    """y with a second reader must survive the backward op: no rewrite (h too stays only read)."""
+    args, kw = _case()
+    _, graph = _grads(args, kw)
+    node, _ = _with_saved_norm_input(graph, second_reader=True)
+    assert consume_saved_gate_up(graph) == 0
+    assert [n for n in graph.nodes if n.target is BACKWARD] == [node]
+
+
 def test_pass_chains_the_users_pass_and_its_cache_key():
     seen = []
 
