@@ -25,8 +25,8 @@ from .activation_pass import expert_row_ptrs
 from .launch import cdiv, launcher, next_power_of_2
 
 _ROWS = 4
-_FWD_COLS, _BWD_COLS = 1024, 512  # the backward holds four row tiles at once
-_WGRAD_COLS = 128  # the weight gradient's columns per program (with 32 rows a step, as `segment_sum`)
+_FWD_COLS, _BWD_COLS = 1024, 512  # the backward's row pass holds three row tiles at once
+_EXPERT_COLS = 128  # the backward's columns per program of an expert (with 32 rows a step, as `segment_sum`)
 
 
 @triton.jit
@@ -101,37 +101,13 @@ def _norm_grads(a, g, gov, wv, r, dw, H, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _backward_rows_kernel(y_ptr, g_ptr, go_ptr, w_ptr, sorted_pair_ptr, ids_ptr, r_ptr, dw_ptr, dy_ptr, TK, H,
-                          stride_y, stride_ge, stride_go, stride_dy, K: tl.constexpr, SCALED: tl.constexpr,
-                          PER_EXPERT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dy of each sorted row (each row's program reads y's row before writing it: dy may be y)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < TK
-    pair = tl.load(sorted_pair_ptr + rows, mask=rmask, other=0)
-    wv = tl.load(w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
-    r = tl.load(r_ptr + rows, mask=rmask, other=0.0)[:, None]
-    dw = tl.load(dw_ptr + rows, mask=rmask, other=0.0)[:, None]
-    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_y
-    go_rows = go_ptr + (pair // K).to(tl.int64)[:, None] * stride_go
-    dy_rows = dy_ptr + rows.to(tl.int64)[:, None] * stride_dy
-    g_rows = expert_row_ptrs(g_ptr, sorted_pair_ptr, ids_ptr, rows, rmask, stride_ge, PER_EXPERT)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        m = rmask[:, None] & (cols < H)[None, :]
-        a = tl.load(y_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        g = tl.load(g_rows + cols[None, :], mask=m, other=0.0)
-        gov = tl.load(go_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        dy, _ = _norm_grads(a, g, gov, wv, r, dw, H, SCALED)
-        tl.store(dy_rows + cols[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _weight_grad_kernel(y_ptr, g_ptr, go_ptr, w_ptr, sorted_pair_ptr, r_ptr, dw_ptr, expert_start_ptr,
-                        expert_count_ptr, out_ptr, H, stride_y, stride_ge, stride_go, stride_oe, K: tl.constexpr,
-                        SCALED: tl.constexpr, PER_EXPERT: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    """out[e, h] = sum over expert e's sorted rows, in order, of dg[row, h] (fp32; the per-expert part of
-    d(post_norm_weight)), dg computed here from y, go and the rows' r and dw rather than stored per row."""
+def _backward_experts_kernel(y_ptr, g_ptr, go_ptr, w_ptr, sorted_pair_ptr, r_ptr, dw_ptr, expert_start_ptr,
+                             expert_count_ptr, dy_ptr, out_ptr, H, stride_y, stride_ge, stride_go, stride_dy,
+                             stride_oe, K: tl.constexpr, SCALED: tl.constexpr, PER_EXPERT: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program per expert and BLOCK_H columns, over the expert's sorted rows in order: dy of each row (its
+    columns; each element is read from y before this program writes it, so dy may be y) and out[e, h], the sum of
+    the rows' dg (fp32; the per-expert part of d(post_norm_weight)), from y, go and the rows' r and dw."""
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < H
@@ -153,7 +129,9 @@ def _weight_grad_kernel(y_ptr, g_ptr, go_ptr, w_ptr, sorted_pair_ptr, r_ptr, dw_
         a = tl.load(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], mask=m, other=0.0).to(tl.float32)
         gov = tl.load(go_ptr + (pair // K).to(tl.int64)[:, None] * stride_go + cols[None, :], mask=m,
                       other=0.0).to(tl.float32)
-        _, dg = _norm_grads(a, g, gov, wv, r, dw, H, SCALED)
+        dy, dg = _norm_grads(a, g, gov, wv, r, dw, H, SCALED)
+        tl.store(dy_ptr + rows.to(tl.int64)[:, None] * stride_dy + cols[None, :], dy.to(dy_ptr.dtype.element_ty),
+                 mask=m)
         acc += tl.where(m, dg, 0.0)
     out = tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + e.to(tl.int64) * stride_oe + cols, out, mask=cmask)
@@ -191,8 +169,8 @@ def backward_rows(y, g, go, w_flat, disp, topk_ids, weight, kw, *, dy=None):
     tensor. dw holds each pair's d(topk_weights) at its sorted position (`routing.route_backward`'s dw_parts). The
     weight's gradient: each expert's rows summed in sorted order in fp32, as HF's autograd sums its fp32 products
     (no [T*K, H] fp32 rows stored: each expert's program computes its rows' parts from y), then for a shared [H]
-    weight the experts' sums added (a fixed-shape torch sum: deterministic); in the weight's dtype. Three launches:
-    the rows' r and dw, the weight's gradient, then dy (which may overwrite y, so it comes last)."""
+    weight the experts' sums added (a fixed-shape torch sum: deterministic); in the weight's dtype. Two launches:
+    the rows' r and dw, then per expert dy and the weight's gradient."""
     TK, H = y.shape
     if dy is None:
         dy = torch.empty_like(y)
@@ -203,11 +181,9 @@ def backward_rows(y, g, go, w_flat, disp, topk_ids, weight, kw, *, dy=None):
     launcher(_row_stats_kernel)[grid](y, g, go, disp.sorted_pair, topk_ids, r, dw, TK, H, y.stride(0), stride_ge,
                                       go.stride(0), float(kw["post_norm_eps"]), K=K, **consts)
     per_expert = torch.empty((E, H), dtype=weight.dtype if weight.dim() == 2 else torch.float32, device=y.device)
-    launcher(_weight_grad_kernel)[(E, cdiv(H, _WGRAD_COLS))](
-        y, g, go, w_flat, disp.sorted_pair, r, dw, disp.expert_start, disp.expert_count, per_expert, H, y.stride(0),
-        stride_ge, go.stride(0), per_expert.stride(0), K=K, SCALED=consts["SCALED"],
-        PER_EXPERT=consts["PER_EXPERT"], BLOCK_R=32, BLOCK_H=_WGRAD_COLS, num_warps=4)
-    launcher(_backward_rows_kernel)[grid](y, g, go, w_flat, disp.sorted_pair, topk_ids, r, dw, dy, TK, H,
-                                          y.stride(0), stride_ge, go.stride(0), dy.stride(0), K=K, **consts)
+    launcher(_backward_experts_kernel)[(E, cdiv(H, _EXPERT_COLS))](
+        y, g, go, w_flat, disp.sorted_pair, r, dw, disp.expert_start, disp.expert_count, dy, per_expert, H,
+        y.stride(0), stride_ge, go.stride(0), dy.stride(0), per_expert.stride(0), K=K, SCALED=consts["SCALED"],
+        PER_EXPERT=consts["PER_EXPERT"], BLOCK_R=32, BLOCK_H=_EXPERT_COLS, num_warps=4)
     d_weight = per_expert if weight.dim() == 2 else per_expert.sum(dim=0).to(weight.dtype)
     return dy, dw, d_weight
