@@ -31,8 +31,8 @@ import torch.fx as fx
 from mok_compile.ops.spec import FP32_ACTIVATIONS, ExpertSpec
 
 from .dataflow import Dataflow
-from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, is_runtime_float, number, op_name,
-                       runtime_float_reason, tensor_meta)
+from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES, MATMUL_OPS, arg, folded_number, is_runtime_float, number,
+                       op_name, runtime_float_reason, tensor_meta)
 from .post_norm import PostNorm, check_post_norm_placement, find_post_norm
 from .region import ID_COMPARISONS, NoMatch, Region, is_id_mask_fill, rounding_cast, same, strip
 from .routing import RouterMatch
@@ -96,11 +96,10 @@ def _clamp_limit(between) -> tuple[float, fx.Node | None]:
 
 
 def _float_or_node(a):
-    """A clamp bound as a number where it is one, or the negation of one as a graph node (after Dynamo has
-    specialised a traced float, `-limit` stays a node `neg(7.0)`); else `a` itself (None, or a node)."""
-    if isinstance(a, fx.Node) and op_name(a) == "neg" and len(a.args) == 1 and number(a.args[0]) is not None:
-        return -number(a.args[0])
-    return a
+    """A clamp bound as a number where it folds to one (`folded_number`: after Dynamo has specialised a traced
+    float, `-limit` stays a node `neg(7.0)`); else `a` itself (None, or a node)."""
+    value = folded_number(a)
+    return a if value is None else value
 
 
 def _softcaps(between) -> tuple[float, float]:

@@ -124,6 +124,29 @@ def number(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+_FOLDED = {"neg": operator.neg, "add": operator.add, "sub": operator.sub, "mul": operator.mul,
+           "div": operator.truediv}
+
+
+def folded_number(value) -> float | None:
+    """`value` as a float where it is a number or a node of arithmetic on numbers alone, folded (after Dynamo or
+    aot_autograd has specialised a traced float, what the model computed from it stays a node of constants:
+    GPT-OSS's `-limit` as `neg(7.0)`, PhiMoE's `2 * jitter_eps` as `mul(2, 0.01)`), in Python's float arithmetic as
+    the graph computes it; else None."""
+    if number(value) is not None:
+        return number(value)
+    if not isinstance(value, fx.Node) or value.op != "call_function" or value.kwargs:
+        return None
+    fold = _FOLDED.get(op_name(value))
+    operands = [folded_number(a) for a in value.args]
+    if fold is None or None in operands or len(operands) != (1 if fold is operator.neg else 2):
+        return None
+    try:
+        return float(fold(*operands))
+    except ZeroDivisionError:
+        return None
+
+
 def is_runtime_float(value) -> bool:
     """Whether `value` is a float the graph reads at run time: a node whose value is a SymFloat (Dynamo traces a
     module's float attribute as a graph input where it does not specialise floats, as under dynamic=True)."""

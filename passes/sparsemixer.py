@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name, runtime_float_reason,
-                       tensor_meta)
+from .op_names import (CAST_OPS, VIEW_OPS, arg, folded_number, is_runtime_float, number, op_name,
+                       runtime_float_reason, tensor_meta)
 from .region import NoMatch, getitem_users, strip
 from .validate import traced_float
 
@@ -175,13 +175,12 @@ def match_sparsemixer(anchor: fx.Node) -> SparsemixerMatch:
 def _half(c) -> tuple[float, fx.Node | None]:
     """(jitter_eps, the float node the op reads it from at run time or None) of a threshold `c` = 2 * jitter_eps:
     a number, or a node ``2 * e`` where the graph reads e at run time (PhiMoE's `2 * jitter_eps` where Dynamo
-    traced the module's float attribute as an input; after aot_autograd has it specialised, e is a number)."""
-    if number(c) is not None:
-        return number(c) / 2, None
+    traced the module's float attribute as an input; after aot_autograd has it specialised, `folded_number`)."""
+    value = folded_number(c)
+    if value is not None:
+        return value / 2, None
     if op_name(c) == "mul" and len(c.args) == 2:
         for a, b in (c.args, c.args[::-1]):
-            if number(a) == 2.0 and number(b) is not None:
-                return number(b), None
             if number(a) == 2.0 and is_runtime_float(b):
                 return traced_float(b), b
     raise NoMatch(runtime_float_reason(f"the sparsemixer's threshold ({c.name}, not 2 * a float)"))
