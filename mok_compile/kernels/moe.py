@@ -294,11 +294,14 @@ def _saved_logits(router_logits, T, E, kw):
     return router_logits
 
 
-def _saved_norm_input(post_norm_input, TK, x, kw):
-    """The forward's post-norm input rows y for the backward ([T*K, H] in sorted order, x's dtype), or None where it
-    recomputes them (none given); anything else is the caller's error."""
+def _saved_norm_input(post_norm_input, gate_up_out, TK, x, kw):
+    """The forward's post-norm input rows y for the backward ([T*K, H] in sorted order, x's dtype; with the forward's
+    h beside them), or None where it recomputes them (none given); anything else is the caller's error."""
     if post_norm_input is None:
         return None
+    if gate_up_out is None:
+        raise ValueError("mok.fused_moe_backward: post_norm_input is read with the training forward's gate_up_out, "
+                         "which was not given")
     shape = (TK, x.shape[1])
     if (kw["post_norm"] == "none" or tuple(post_norm_input.shape) != shape or post_norm_input.dtype != x.dtype
             or post_norm_input.stride(-1) != 1):
@@ -515,7 +518,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
 
     topk_ids = topk_ids.contiguous()
     saved_logits = _saved_logits(router_logits, T, R, kw)  # checked here, before any launch
-    post_norm_input = _saved_norm_input(post_norm_input, T * K, x, kw)
+    post_norm_input = _saved_norm_input(post_norm_input, gate_up_out, T * K, x, kw)
     if routing_layout is not None:
         disp = Dispatch.from_layout(routing_layout, E, K, T * K, num_buckets=R)
     else:

@@ -195,6 +195,26 @@ def test_post_norm_interpreted():
     _check(run_compare(_CASE, "cpu"), _CPU_TOL, n_cases=10)
 
 
+@pytest.mark.parametrize("shape, dtype, with_h, message", [
+    ((10, 31), torch.float32, True, "post_norm_input must be"),
+    ((10, 32), torch.float32, False, "read with the training forward's gate_up_out"),
+    ((10, 32), torch.float16, True, "post_norm_input must be"),
+], ids=["shape", "without_h", "dtype"])
+def test_bad_saved_norm_input_named(shape, dtype, with_h, message):
+    """A saved post-norm input the training forward cannot have returned is the caller's error, named before any
+    launch (so this runs on the CPU)."""
+    from mok_compile.kernels import moe
+    from tests.kernels.cases import make_case
+
+    tensors, kw = make_case("qwen3", T=5, H=32, I=16, E=4, K=2)
+    kw = dict(kw, post_norm="rms", post_norm_weight=torch.ones(32))
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]])
+    with pytest.raises(ValueError, match=message):
+        moe.fused_moe_backward(torch.randn(5, 32), None, *tensors, torch.rand(5, 2), ids,
+                               gate_up_out=torch.zeros(10, 32) if with_h else None,
+                               post_norm_input=torch.zeros(shape, dtype=dtype), **kw)
+
+
 # (MOK_GEMM_ENGINE, MOK_TMA), as in test_triton_gpu.py, with the CUDA weight gradient reading dy's rows ungathered.
 _ENGINES = [("triton", "0"), ("triton", "1"), ("cutlass", "0"), ("gathered=triton,sorted=cutlass,wgrad=cutlass", "1"),
             ("gate_up=sm90,sorted=cutlass,wgrad=sm90", "1")]
