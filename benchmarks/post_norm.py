@@ -61,7 +61,7 @@ def run_family(family, tokens, rounds):
         if counters["mok"]["fused_moe"] == fused_before:
             raise SystemExit(f"{family}: backend='mok' fused no MoE block (see mok_compile.diagnostics.explain)")
         errors = {"fwd": [_rel(out, ref) for out in (got, base_got)]}
-        want = _gradients(block, x, params, fwd_bwd)
+        want = _gradients(block, x, params)
         peak, timed, grads = {"eager": peak_bytes(fwd_bwd(block, x.clone().requires_grad_(), params)) / 1e9}, [], {}
         for name, fn in runners.items():
             def forward(fn=fn):
@@ -69,7 +69,7 @@ def run_family(family, tokens, rounds):
                     fn(x)
 
             consumed = counters["mok"]["backward_consume"]
-            grads[name] = _gradients(fn, x, params, fwd_bwd)  # compiled and warm before timing
+            grads[name] = _gradients(fn, x, params)  # compiled and warm before timing
             if name == "mok+comp" and counters["mok"]["backward_consume"] == consumed:
                 print(f"{family}: the compiled backward does not consume the saved h (and y)")
             step = fwd_bwd(fn, x.clone().requires_grad_(), params)
@@ -91,7 +91,7 @@ def _rel(got, want) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def _gradients(fn, x, params, fwd_bwd):
+def _gradients(fn, x, params):
     """[d x, d params...] of one forward+backward of `fn` (the benchmark's loss)."""
     x = x.clone().requires_grad_()
     fwd_bwd(fn, x, params)()
