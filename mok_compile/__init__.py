@@ -10,13 +10,39 @@ from pathlib import Path as _Path
 # `mok_compile.passes` lives in the top-level folder `passes/` (the layout the project asked for); an
 # install maps it into the package. Run from a plain checkout (PYTHONPATH=., as on the GPU machine),
 # nothing maps it, so the checkout's root joins the package's search path for that one folder.
-if (_Path(__file__).parent.parent / "passes" / "__init__.py").exists():
+_IN_CHECKOUT = (_Path(__file__).parent.parent / "passes" / "__init__.py").exists()
+if _IN_CHECKOUT:
     __path__.append(str(_Path(__file__).parent.parent))
 
 from .ops import ExpertSpec, RoutingSpec, fused_moe
 
 __all__ = ["ExpertSpec", "RoutingSpec", "fused_moe", "explain", "export_mlir"]
 __version__ = "0.1.0"
+
+
+def _register_backend_name():
+    """`backend="mok"` by name from a plain checkout too. torch finds a third-party backend's name only through
+    an installed distribution's `torch_dynamo_backends` entry point, which a checkout on PYTHONPATH lacks; there
+    the name is registered here, and the backend module is still imported only when a compile first calls it."""
+    from importlib.metadata import entry_points
+
+    if entry_points(group="torch_dynamo_backends", name="mok"):
+        return
+    from torch._dynamo import list_backends, register_backend
+
+    if "mok" in list_backends(exclude_tags=()):
+        return
+
+    def mok(gm, example_inputs, **kwargs):
+        from .backend import mok_backend
+
+        return mok_backend(gm, example_inputs, **kwargs)
+
+    register_backend(mok, name="mok")
+
+
+if _IN_CHECKOUT:  # an install (editable or not) declares the entry point
+    _register_backend_name()
 
 
 def __getattr__(name):

@@ -11,7 +11,8 @@ rewritten graph then goes to the inner compiler exactly as `backend="inductor"`
 same code as plain inductor.
 
 Registered by name through the `torch_dynamo_backends` entry point in
-pyproject.toml (`mok = "mok_compile.backend:mok_backend"`).
+pyproject.toml (`mok = "mok_compile.backend:mok_backend"`); from a checkout
+that is not installed, `import mok_compile` registers the name.
 """
 
 from __future__ import annotations

@@ -47,6 +47,43 @@ def test_backend_is_found_by_name():
     assert lookup_backend("mok") is backend.mok_backend
 
 
+_WITHOUT_ENTRY_POINT = """
+import importlib.metadata, json, sys
+import torch
+real = importlib.metadata.entry_points
+# A plain checkout on PYTHONPATH (as on the GPU machine): no installed distribution declares the backend.
+none = importlib.metadata.EntryPoints(())
+importlib.metadata.entry_points = lambda **kw: none if kw.get("group") == "torch_dynamo_backends" else real(**kw)
+if sys.argv[1] == "import":
+    import mok_compile
+at_import = "mok_compile.backend" in sys.modules
+try:
+    f = torch.compile(lambda x: torch.relu(x) + 1, backend="mok", options={"compiler": "eager"})
+    print(json.dumps({"ok": f(torch.tensor([-1.0, 2.0])).tolist() == [1.0, 3.0], "loaded_at_import": at_import,
+                      "loaded_by_compile": "mok_compile.backend" in sys.modules}))
+except Exception as err:
+    print(json.dumps({"error": type(err).__name__}))
+"""
+
+
+@pytest.mark.parametrize("import_package", [True, False])
+def test_backend_is_found_by_name_from_a_plain_checkout(import_package):
+    """Where no entry point declares "mok", importing the package registers the name (the backend module still
+    loads only when a compile calls it); without the import the name stays unknown, the near miss."""
+    import json
+    import subprocess
+    import sys
+
+    arg = "import" if import_package else "no-import"
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_ENTRY_POINT, arg], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    want = {"ok": True, "loaded_at_import": False, "loaded_by_compile": True} if import_package else {
+        "error": "InvalidBackend"}
+    assert got == want, got
+
+
 def test_unknown_option_through_torch_compile_is_a_clear_error():
     f = torch.compile(lambda x: x + 1, backend="mok", options={"validat": False})
     with pytest.raises(Exception, match=r"unknown option\(s\) \['validat'\]"):
