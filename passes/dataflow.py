@@ -18,11 +18,19 @@ from .op_names import mutated_input
 
 
 class Dataflow:
-    def __init__(self, graph: fx.Graph):
-        self.order = {n: i for i, n in enumerate(graph.nodes)}
+    def __init__(self, graph: fx.Graph, previous: Dataflow | None = None):
+        """`previous`: this graph's Dataflow before a rewrite (which inserts and erases nodes and rewires
+        arguments, never changes what a node computes): whether each node writes in place is taken from it, so
+        that a pass over a deep model does not ask every node's op again after each block."""
+        known = previous.is_writer if previous is not None else {}
+        self.order: dict[fx.Node, int] = {}
+        self.is_writer: dict[fx.Node, bool] = {}
         self.writers: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-        for n in graph.nodes:
-            target = mutated_input(n)
+        for i, n in enumerate(graph.nodes):
+            self.order[n] = i
+            writes = known.get(n)
+            target = mutated_input(n) if writes is None or writes else None
+            self.is_writer[n] = target is not None
             if target is not None:
                 self.writers[target].append(n)
 

@@ -149,8 +149,8 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
     return out
 
 
-def _fuse_block(gm, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict, anchors) -> None:
-    flow = Dataflow(gm.graph)
+def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict,
+                anchors) -> None:
     region: Region = find_region(gm, flow, anchor, ids, anchors)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
@@ -233,13 +233,15 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
     probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
-    anchors = block_anchors(gm, Dataflow(gm.graph))
+    flow = Dataflow(gm.graph)
+    anchors = block_anchors(gm, flow)
     for anchor, ids in anchors:
         if getattr(anchor, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
         block = BlockReport(name=module_path(anchor) or anchor.name, fused=False, reason="", form="unknown")
+        flow = Dataflow(gm.graph, previous=flow)  # the graph as the blocks before this one left it
         try:
-            _fuse_block(gm, anchor, ids, validate, block, probe_cache, anchors)
+            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form

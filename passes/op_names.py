@@ -11,6 +11,7 @@ mutates its first argument, so every matcher handles every spelling.
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
 
@@ -59,11 +60,20 @@ _REFLECTED_OR_INPLACE = frozenset({f"{p}{op}" for op in _BINARY for p in ("r", "
 
 
 def _raw_name(node: fx.Node) -> str | None:
-    if node.op == "call_method":
-        return _method_name(node.target)
-    if node.op != "call_function":
+    if node.op not in ("call_function", "call_method"):
         return None
-    target = node.target
+    try:
+        return _name_of(node.op, node.target)
+    except TypeError:  # an unhashable target: not cached
+        return _name_of.__wrapped__(node.op, node.target)
+
+
+@functools.lru_cache(maxsize=4096)  # the pass asks for every node's name once per block
+def _name_of(op: str, target) -> str | None:
+    if op == "call_method":
+        return _method_name(target)
+    if op != "call_function":
+        return None
     qualified = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
     if qualified is None and isinstance(target, torch._ops.OpOverload):
         qualified = target._schema.name

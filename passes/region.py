@@ -397,20 +397,59 @@ def find_router(anchor: fx.Node, scores: fx.Node | None = None) -> tuple[fx.Node
 # ----------------------------------------------------------------------------- region
 
 
-def _activation_clean(gm: fx.GraphModule, flow: Dataflow, roots: set[fx.Node]) -> set[fx.Node]:
-    """Nodes whose values depend on activations only through `roots` (weights and sizes may come from anywhere)."""
-    clean: set[fx.Node] = set()
-    start = min(flow.order[r] for r in roots)
-    for n in gm.graph.nodes:
-        if _is_source(n) or n in roots:
-            clean.add(n)
-        elif flow.order[n] > start and all(i in clean for i in flow.inputs(n)):
-            clean.add(n)
-    return clean
+class _ActivationClean:
+    """Nodes whose values depend on activations only through `roots` (weights and sizes may come from anywhere): a
+    source, a root, or a node after the first root whose inputs are all clean. A membership test walks back from the
+    node asked about (memoised) and stops at the first root's position, so a block costs what its neighbourhood
+    holds; a scan of the whole graph per block made the pass's time grow with the square of the model's depth."""
+
+    def __init__(self, flow: Dataflow, roots: set[fx.Node]):
+        self.flow, self.roots = flow, roots
+        self.start = min(flow.order[r] for r in roots)
+        self.known: dict[fx.Node, bool] = {}
+
+    def _trivial(self, n: fx.Node) -> bool | None:
+        if n in self.known:
+            return self.known[n]
+        if _is_source(n) or n in self.roots:
+            return True
+        pos = self.flow.order.get(n)  # None: not in the graph (an earlier block's anchor, erased with it)
+        if pos is None or pos <= self.start:
+            return False
+        return None
+
+    def __contains__(self, n: fx.Node) -> bool:
+        verdict = self._trivial(n)
+        if verdict is not None:
+            return verdict
+        # Depth first without recursion (a chain may be thousands of nodes long): a node is decided once each of its
+        # inputs is, and is unclean from its first unclean input on.
+        stack = [(n, iter(self.flow.inputs(n)))]
+        while stack:
+            node, pending = stack[-1]
+            for i in pending:
+                verdict = self._trivial(i)
+                if verdict is None:
+                    stack.append((i, iter(self.flow.inputs(i))))
+                    break
+                if not verdict:
+                    self.known[node] = False
+                    stack.pop()
+                    break
+            else:
+                self.known[node] = True
+                stack.pop()
+                continue
+            if node in self.known:  # decided unclean: so is everything waiting on it
+                while stack:
+                    self.known[stack.pop()[0]] = False
+        return self.known[n]
 
 
 def _candidate_outputs(flow, ids, clean, x_meta, root_meta):
-    reach = flow.forward_slice([ids])
+    """Clean [T, H] nodes of the activation's dtype that the ids reach through clean nodes (an output computed
+    without the ids, or through a value that is not clean, is none of this block's), latest first."""
+    reach = flow.forward_slice([ids], within=clean)
     out = []
     for n in reach:
         v = tensor_meta(n)
@@ -519,7 +558,8 @@ def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:
     return True
 
 
-def _close_over_writes(flow: Dataflow, sliced: set[fx.Node], out: fx.Node, stop, clean: set[fx.Node]) -> set[fx.Node]:
+def _close_over_writes(flow: Dataflow, sliced: set[fx.Node], out: fx.Node, stop,
+                       clean: _ActivationClean) -> set[fx.Node]:
     """Add the in-place writes to block values that nothing reads afterwards (e.g. 5.17's
     ``expert_ids_g.clamp_(max=E - 1)`` when there is no expert bias to gather), with what they read: they belong
     to the block and go with it. Writes to the block's inputs are not added (`_check_region` rejects those)."""
@@ -597,9 +637,13 @@ class _RegionSearch:
         root = strip(x, VIEW_OPS)
         root_meta = tensor_meta(root)
         outside = {logits} if router_linear is None else set()
-        clean = _activation_clean(self.gm, flow, {root} | outside)
-        later_blocks = flow.forward_slice([a for a, _ in self.anchors if a is not anchor and a in clean])
-        candidates = [c for c in _candidate_outputs(flow, ids, clean, x_meta, root_meta) if c not in later_blocks]
+        clean = _ActivationClean(flow, {root} | outside)
+        candidates = _candidate_outputs(flow, ids, clean, x_meta, root_meta)
+        # Another block's router upstream of a candidate: only an anchor placed before the latest candidate can be.
+        latest = flow.order[candidates[0]] if candidates else -1
+        others = [a for a, _ in self.anchors if a is not anchor and flow.order.get(a, latest) < latest and a in clean]
+        later_blocks = flow.forward_slice(others, within=clean)
+        candidates = [c for c in candidates if c not in later_blocks]
         is_input = lambda n: _is_source(n) or (given and n is ids) or n in outside  # noqa: E731
         stop = lambda n: is_input(n) or n is root  # noqa: E731
         routing_side = flow.backward_slice([anchor], stop)
