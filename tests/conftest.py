@@ -3,7 +3,7 @@
 import os
 import zlib
 
-# MKL's vector math picks its code path per thread on first use, racily: a CPU tanh, exp or erf then and then
+# MKL's vector math picks its code path per thread on first use, racily: a CPU tanh, exp or erf now and then
 # returns results good to ~1e-5 in part of a tensor (pytorch/pytorch#188792), which made tests comparing rounded
 # outputs flaky. One fixed MKL code path (read when MKL starts, so before torch loads; inherited by the interpreted
 # kernels' subprocesses) avoids it.
