@@ -1,10 +1,13 @@
 """The region search on deep graphs. Its activation-clean set (`region._ActivationClean`: what depends on activations
 only through a block's roots), decided node by node by walking back from each, is the set one scan of the whole graph
-in order gives, whatever order it is asked in; and a 12-layer model fuses every block, as eager computes it.
+in order gives, whatever order it is asked in; the search for the first matmul the ids reach stops there; and a
+12-layer model fuses every block, as eager computes it.
 
 Before v62 each block scanned the whole graph (and asked every node's op again for its dataflow), so the pass's time
 grew with the square of the depth: 0.09, 1.7 and 5.2 s for 8, 48 and 96 layers of a tiny Qwen3-MoE, since 0.06, 0.7
 and 0.8 s (`python -m benchmarks.compile_overhead --families qwen3_moe --layers 96 --compiler aot_eager`)."""
+
+import functools
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ from torch._dynamo.utils import counters
 from mok_compile.backend import mok_backend
 from mok_compile.demo import make_causal_lm
 from mok_compile.passes.dataflow import Dataflow
-from mok_compile.passes.region import _ActivationClean, _is_source, block_anchors, find_region
+from mok_compile.passes.op_names import MATMUL_OPS, op_name
+from mok_compile.passes.region import _ActivationClean, _first_reached, _is_source, block_anchors, find_region
 
 from .helpers import capture
 
@@ -37,14 +41,23 @@ def _token_ids(model, seq=8):
 
 # Qwen3: plain top-k; DeepSeek-V3: a shared expert beside the routed ones; GPT-OSS: biases, in-place clamps;
 # Gemma 4: the router on its own normalisation (the logits outside the block).
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "gemma4"])
-def test_activation_clean_is_the_scan(family):
+SEARCHED = ["qwen3_moe", "deepseek_v3", "gpt_oss", "gemma4"]
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(family):
     model = make_causal_lm(family, num_layers=LAYERS)
     (graph,), _ = capture(model, _token_ids(model))
     gm, _ = graph
     flow = Dataflow(gm.graph)
     anchors = block_anchors(gm, flow)
     assert len(anchors) == LAYERS
+    return gm, flow, anchors
+
+
+@pytest.mark.parametrize("family", SEARCHED)
+def test_activation_clean_is_the_scan(family):
+    gm, flow, anchors = _graph(family)
     nodes = list(gm.graph.nodes)
     for index, (anchor, ids) in enumerate(anchors):
         region = find_region(gm, flow, anchor, ids, anchors)
@@ -60,6 +73,20 @@ def test_activation_clean_is_the_scan(family):
             if index + 1 < LAYERS:
                 assert anchors[index + 1][0] not in want
             assert (region.out in want) == (roots == own or region.router_linear is not None)
+
+
+@pytest.mark.parametrize("family", SEARCHED)
+def test_first_matmul_the_ids_reach(family):
+    """`_first_reached` (a search in graph order that stops at the first match) finds the first matmul of the ids'
+    whole forward slice, and what it visited is that slice up to the matmul."""
+    gm, flow, anchors = _graph(family)
+    for _, ids in anchors:
+        whole = flow.sorted(flow.forward_slice([ids]))
+        want = next(n for n in whole if op_name(n) in MATMUL_OPS)
+        got, reached = _first_reached(flow, ids, lambda n: op_name(n) in MATMUL_OPS)
+        assert got is want
+        assert reached == {n for n in whole if flow.order[n] <= flow.order[want]}
+        assert _first_reached(flow, ids, lambda n: False) == (None, set(whole))  # no match: the whole slice
 
 
 def test_dataflow_after_a_rewrite_is_built_anew():
