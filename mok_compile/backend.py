@@ -58,17 +58,24 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Backend
     """
     from mok_compile.passes import fuse_moe
 
-    saved_graph = None if opts.strict else snapshot_graph(gm.graph)
+    saved = []  # the graph before the pass's first change: a graph it leaves alone (no MoE) is never copied
+
+    def before_rewrite():
+        if not opts.strict and not saved:
+            saved.append(snapshot_graph(gm.graph))
+
     try:
-        report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict)
+        report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict,
+                          before_rewrite=before_rewrite)
     except Exception as err:
         if opts.strict:
             raise
         log.warning("mok: the MoE pass failed on graph %s (%s: %s); compiling it unfused. "
                     "MOK_LOG_LEVEL=DEBUG shows the traceback.", _graph_name(gm), type(err).__name__, err)
         log.debug("mok: MoE pass traceback", exc_info=True)
-        gm.graph = saved_graph
-        gm.recompile()
+        if saved:  # otherwise the pass failed before changing anything
+            gm.graph = saved[0]
+            gm.recompile()
         return None
     if report.blocks:
         log.info("mok: graph %s: fused %d of %d MoE block(s)", _graph_name(gm), len(report.fused), len(report.blocks))

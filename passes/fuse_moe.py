@@ -16,7 +16,7 @@ experts are sharded across ranks gets its reason from `sharded`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -150,7 +150,7 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
 
 
 def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict,
-                anchors) -> None:
+                anchors, before_rewrite=None) -> None:
     region: Region = find_region(gm, flow, anchor, ids, anchors)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
@@ -216,17 +216,21 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
     if rounded:  # a router weight or bias rounded in the block: the op reads the rounded one, its casts stay
         plan.keep |= flow.backward_slice(rounded, stop=lambda n: n not in region.nodes) & region.nodes
         report.router_rounded = True
+    if before_rewrite is not None:
+        before_rewrite()
     emit(gm, flow, region, plan, operands, kwargs)
     report.fused, report.reason = True, ""
 
 
 def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, validate: bool = True,
-             strict: bool = False) -> FuseReport:
+             strict: bool = False, before_rewrite: Callable[[], None] | None = None) -> FuseReport:
     """Find every router+experts MoE block in `gm`, rewrite each provable one into `torch.ops.mok.fused_moe`.
 
     `gm` is a Dynamo torch-level graph (parameters as placeholders or get_attr). The graph is changed in place
     and recompiled. `validate=False` skips the numerical probe (structural proof only). Unmatched candidates
-    are reported, not raised, unless `strict=True` (then `MoeFusionError`).
+    are reported, not raised, unless `strict=True` (then `MoeFusionError`). `before_rewrite` is called before
+    each block's rewrite, the only changes the pass makes to the graph (the backend copies the graph at the first,
+    to put it back should the pass fail later: a graph without a fusable block is never copied).
     """
     from torch._dynamo.utils import counters
 
@@ -241,7 +245,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
         block = BlockReport(name=module_path(anchor) or anchor.name, fused=False, reason="", form="unknown")
         flow = Dataflow(gm.graph, previous=flow)  # the graph as the blocks before this one left it
         try:
-            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors)
+            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form

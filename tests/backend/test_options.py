@@ -96,9 +96,9 @@ def pass_calls(monkeypatch):
     calls = []
     real = mok_compile.passes.fuse_moe
 
-    def spy(gm, example_inputs, *, validate=True, strict=False):
+    def spy(gm, example_inputs, *, validate=True, strict=False, before_rewrite=None):
         calls.append(dict(validate=validate, strict=strict, graph=gm))
-        return real(gm, example_inputs, validate=validate, strict=strict)
+        return real(gm, example_inputs, validate=validate, strict=strict, before_rewrite=before_rewrite)
 
     monkeypatch.setattr(mok_compile.passes, "fuse_moe", spy)
     return calls
@@ -120,7 +120,8 @@ def test_options_reach_the_pass_and_the_inner_compiler(pass_calls, monkeypatch, 
 
 
 def test_a_crash_in_the_pass_compiles_the_graph_unfused(monkeypatch, caplog):
-    def broken(gm, example_inputs, *, validate=True, strict=False):
+    def broken(gm, example_inputs, *, validate=True, strict=False, before_rewrite=None):
+        before_rewrite()  # as the pass announces a rewrite
         for node in list(gm.graph.nodes):
             if node.op == "call_function":
                 node.target = torch.sub  # half-rewritten graph, then a crash
@@ -138,3 +139,55 @@ def test_a_crash_in_the_pass_compiles_the_graph_unfused(monkeypatch, caplog):
     strict = torch.compile(lambda x: torch.add(x, 1), backend="mok", options={"compiler": "eager", "strict": True})
     with pytest.raises(Exception, match="bug in the pass"):
         strict(x)
+
+
+def test_a_crash_before_any_rewrite_copies_nothing(monkeypatch, caplog):
+    """The graph is copied only when the pass is about to change it: a crash before that compiles the graph as it
+    is, and a graph without MoE (no rewrite) is never copied."""
+    copies = []
+    real_snapshot = backend.snapshot_graph
+    monkeypatch.setattr(backend, "snapshot_graph", lambda graph: copies.append(graph) or real_snapshot(graph))
+    x = torch.randn(5)
+    out = torch.compile(lambda x: torch.add(x, 1), backend="mok", options={"compiler": "aot_eager"})(x)
+    torch.testing.assert_close(out, x + 1, rtol=0, atol=0)
+    assert copies == []
+
+    def broken(gm, example_inputs, *, validate=True, strict=False, before_rewrite=None):
+        raise RuntimeError("bug in the pass")
+
+    monkeypatch.setattr(mok_compile.passes, "fuse_moe", broken)
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="mok_compile"):
+        out = torch.compile(lambda x: torch.add(x, 2), backend="mok", options={"compiler": "aot_eager"})(x)
+    torch.testing.assert_close(out, x + 2, rtol=0, atol=0)
+    assert "the MoE pass failed" in caplog.text and copies == []
+
+
+def test_a_crash_after_a_rewrite_puts_the_whole_graph_back(monkeypatch, caplog):
+    """The real pass rewrites the first block, then fails on the second: the graph compiled is the one Dynamo gave,
+    with no fused op, and it computes what eager does."""
+    import importlib
+
+    from .helpers import tiny_model, token_ids
+
+    fuse_moe_module = importlib.import_module("mok_compile.passes.fuse_moe")  # the package exports its function
+
+    real_emit, emitted, compiled = fuse_moe_module.emit, [], []
+
+    def emit_once(*args, **kwargs):
+        if emitted:
+            raise RuntimeError("bug in the second rewrite")
+        emitted.append(True)
+        return real_emit(*args, **kwargs)
+
+    real_inner = backend.compile_inner
+    monkeypatch.setattr(fuse_moe_module, "emit", emit_once)
+    monkeypatch.setattr(backend, "compile_inner",
+                        lambda gm, ex, opts: compiled.append(backend._has_fused_moe(gm)) or real_inner(gm, ex, opts))
+    model, ids = tiny_model("qwen3_moe"), token_ids()
+    with torch.no_grad(), caplog.at_level("WARNING", logger="mok_compile"):
+        want = model(ids).logits
+        got = torch.compile(model, backend="mok", options={"compiler": "aot_eager"})(ids).logits
+    assert emitted == [True] and compiled == [False]
+    assert "bug in the second rewrite" in caplog.text
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
