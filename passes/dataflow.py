@@ -10,6 +10,7 @@ middle of a sequence of mutations.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 import torch.fx as fx
@@ -58,6 +59,22 @@ class Dataflow:
     def forward_slice(self, roots, within=None) -> set[fx.Node]:
         """Every node that reads (transitively) a value of `roots`, restricted to `within` when given."""
         return _closure(roots, lambda n: (u for u in self.readers(n) if within is None or u in within))
+
+    def first_reached(self, root: fx.Node, found) -> tuple[fx.Node | None, set[fx.Node]]:
+        """The first node in graph order that `root` reaches (itself included) for which `found(node)` holds, or
+        None, with every node it reaches before that one: the forward slice is walked in order and left there, so
+        the rest of the graph is never visited."""
+        node_at, pending, reached = {self.order[root]: root}, [self.order[root]], set()
+        while pending:
+            n = node_at[heapq.heappop(pending)]
+            reached.add(n)
+            if found(n):
+                return n, reached
+            for u in self.readers(n):
+                if self.order[u] not in node_at:
+                    node_at[self.order[u]] = u
+                    heapq.heappush(pending, self.order[u])
+        return None, reached
 
     def sorted(self, nodes) -> list[fx.Node]:
         return sorted(nodes, key=self.order.__getitem__)

@@ -42,7 +42,6 @@ viewed or not), (4) ends at the experts' sum: no op that never combines
 
 from __future__ import annotations
 
-import heapq
 import operator
 from dataclasses import dataclass, field
 
@@ -433,17 +432,14 @@ class _ActivationClean:
                 if verdict is None:
                     stack.append((i, iter(self.flow.inputs(i))))
                     break
-                if not verdict:
-                    self.known[node] = False
-                    stack.pop()
+                if not verdict:  # unclean: so is every node waiting on it
+                    for waiting, _ in stack:
+                        self.known[waiting] = False
+                    stack.clear()
                     break
             else:
                 self.known[node] = True
                 stack.pop()
-                continue
-            if node in self.known:  # decided unclean: so is everything waiting on it
-                while stack:
-                    self.known[stack.pop()[0]] = False
         return self.known[n]
 
 
@@ -678,7 +674,7 @@ def _experts_activation(flow: Dataflow, ids: fx.Node, T) -> fx.Node | None:
     the ids reach, walked back through what reads the ids (a row gather by ``perm // K``, its casts) and through the
     row copies of batched experts (``repeat_interleave``, views, none of them T rows of 2-D) to the first tensor
     that is neither; None where that is a weight or not [T, *]."""
-    gemm, reach = _first_reached(flow, ids, lambda n: op_name(n) in MATMUL_OPS)
+    gemm, reach = flow.first_reached(ids, lambda n: op_name(n) in MATMUL_OPS)
     if gemm is None:
         return None
     for n in gemm.args[:2]:
@@ -689,23 +685,6 @@ def _experts_activation(flow: Dataflow, ids: fx.Node, T) -> fx.Node | None:
                 not _is_source(n) or n.op == "placeholder" and not _is_parameter(n)):
             return n
     return None
-
-
-def _first_reached(flow: Dataflow, root: fx.Node, found) -> tuple[fx.Node | None, set[fx.Node]]:
-    """The first node in graph order that `root` reaches (itself included) for which `found(node)` holds, or None,
-    with every node it reaches before that one: what the rest of the graph holds is never visited."""
-    order = flow.order
-    node_at, pending, reached = {order[root]: root}, [order[root]], set()
-    while pending:
-        n = node_at[heapq.heappop(pending)]
-        reached.add(n)
-        if found(n):
-            return n, reached
-        for u in flow.readers(n):
-            if order[u] not in node_at:
-                node_at[order[u]] = u
-                heapq.heappush(pending, order[u])
-    return None, reached
 
 
 def _is_parameter(n: fx.Node) -> bool:

@@ -54,11 +54,12 @@ def sharding_evidence(gm: fx.GraphModule, anchor: fx.Node, ids: fx.Node) -> str 
     if not router_path:
         return None
     block = router_path.rpartition(".")[0] or router_path
-    flow = Dataflow(gm.graph)
-    for n in flow.sorted(flow.forward_slice([ids])):
-        if _within(module_path(n), block) and (shard := _shard_read(n)) is not None:
-            return f"DTensor.to_local ({shard.name}) in {module_path(shard) or module_path(n)}"
-    return None
+    in_block_shard = lambda m: _within(module_path(m), block) and _shard_read(m) is not None  # noqa: E731
+    n, _ = Dataflow(gm.graph).first_reached(ids, in_block_shard)
+    if n is None:
+        return None
+    shard = _shard_read(n)
+    return f"DTensor.to_local ({shard.name}) in {module_path(shard) or module_path(n)}"
 
 
 def sharded_reason(evidence: str, reason: str) -> str:

@@ -17,7 +17,7 @@ from mok_compile.backend import mok_backend
 from mok_compile.demo import make_causal_lm
 from mok_compile.passes.dataflow import Dataflow
 from mok_compile.passes.op_names import MATMUL_OPS, op_name
-from mok_compile.passes.region import _ActivationClean, _first_reached, _is_source, block_anchors, find_region
+from mok_compile.passes.region import _ActivationClean, _is_source, block_anchors, find_region
 
 from .helpers import capture
 
@@ -77,16 +77,16 @@ def test_activation_clean_is_the_scan(family):
 
 @pytest.mark.parametrize("family", SEARCHED)
 def test_first_matmul_the_ids_reach(family):
-    """`_first_reached` (a search in graph order that stops at the first match) finds the first matmul of the ids'
+    """`Dataflow.first_reached` (a search in graph order that stops at the first match) finds the first matmul of the ids'
     whole forward slice, and what it visited is that slice up to the matmul."""
     gm, flow, anchors = _graph(family)
     for _, ids in anchors:
         whole = flow.sorted(flow.forward_slice([ids]))
         want = next(n for n in whole if op_name(n) in MATMUL_OPS)
-        got, reached = _first_reached(flow, ids, lambda n: op_name(n) in MATMUL_OPS)
+        got, reached = flow.first_reached(ids, lambda n: op_name(n) in MATMUL_OPS)
         assert got is want
         assert reached == {n for n in whole if flow.order[n] <= flow.order[want]}
-        assert _first_reached(flow, ids, lambda n: False) == (None, set(whole))  # no match: the whole slice
+        assert flow.first_reached(ids, lambda n: False) == (None, set(whole))  # no match: the whole slice
 
 
 def test_dataflow_after_a_rewrite_is_built_anew():
