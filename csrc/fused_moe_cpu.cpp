@@ -73,6 +73,7 @@ struct MoeOptions {
   double renorm_min;
   int64_t group_top;
   int64_t identity_experts;  // router choices past the experts: their pairs pass the token through, weighted
+  int64_t zero_experts;      // router choices past the experts whose pairs add nothing (Zaya's skip expert)
   double jitter_eps;         // the sparsemixer's mask threshold is 2 * jitter_eps
   bool round_weights;        // fp32 weights rounded through x's dtype (Ergo)
   std::string post_norm;     // "none", "rms" or "scaled_rms": a norm of each pair's expert output (spec.ExpertSpec)
@@ -405,12 +406,13 @@ struct ExpertGroups {
   int64_t count(int64_t e) const { return offsets[e + 1] - offsets[e]; }
 };
 
-ExpertGroups group_by_expert(const Tensor& topk_ids, int64_t num_experts, int64_t identity_experts) {
+// `past_experts`: the router's choices past the experts (identity or zero experts), whose pairs sort last.
+ExpertGroups group_by_expert(const Tensor& topk_ids, int64_t num_experts, int64_t past_experts) {
   ExpertGroups g;
   Tensor ids = topk_ids.to(at::kLong).contiguous();
   const int64_t n = ids.numel();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  const int64_t choices = num_experts + identity_experts;
+  const int64_t choices = num_experts + past_experts;
   g.top_k = ids.size(1);
   g.num_experts = num_experts;
   g.offsets.assign(choices + 1, 0);
@@ -650,7 +652,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
   const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0);
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
-  const ExpertGroups g = group_by_expert(topk_ids, E, o.identity_experts);
+  const ExpertGroups g = group_by_expert(topk_ids, E, o.identity_experts + o.zero_experts);
   Tensor ys = at::empty({g.order.numel(), H}, x.options());
   advise_huge_pages(ys);
   if (h_saved != nullptr) *h_saved = at::empty({g.order.numel(), up_out}, x.options());
@@ -679,14 +681,16 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, double renorm_eps,           \
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
-      double renorm_min, int64_t group_top, int64_t identity_experts, double jitter_eps, bool round_weights,    \
+      double renorm_min, int64_t group_top, int64_t identity_experts, int64_t zero_experts, double jitter_eps,  \
+      bool round_weights,                                                                                        \
       c10::string_view post_norm, double post_norm_eps, double post_norm_offset, const OptTensor &expert_ids,    \
       const OptTensor &expert_scale, const OptTensor &post_norm_weight
 #define MOK_CPU_FORWARD_VALUES                                                                                   \
   hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias, top_k,   \
       routing, router_is_logits, router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,      \
       topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha, limit, weight_on_input,       \
-      renorm_min, group_top, identity_experts, jitter_eps, round_weights, post_norm, post_norm_eps,              \
+      renorm_min, group_top, identity_experts, zero_experts, jitter_eps, round_weights, post_norm,               \
+      post_norm_eps,                                                                                             \
       post_norm_offset,                                                                                          \
       expert_ids, expert_scale, post_norm_weight
 
@@ -695,7 +699,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bo
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts, jitter_eps, round_weights, std::string(post_norm), post_norm_eps,
+                     identity_experts, zero_experts, jitter_eps, round_weights, std::string(post_norm), post_norm_eps,
                      post_norm_offset};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
@@ -732,13 +736,14 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    int64_t identity_experts, double jitter_eps, bool round_weights, c10::string_view post_norm, double post_norm_eps,
+    int64_t identity_experts, int64_t zero_experts, double jitter_eps, bool round_weights, c10::string_view post_norm,
+    double post_norm_eps,
     double post_norm_offset, const OptTensor& gate_up_out, const OptTensor& expert_scale,
     const OptTensor& post_norm_weight) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts, jitter_eps, round_weights, std::string(post_norm), post_norm_eps,
+                     identity_experts, zero_experts, jitter_eps, round_weights, std::string(post_norm), post_norm_eps,
                      post_norm_offset};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
@@ -759,7 +764,7 @@ BackwardResult fused_moe_backward(
   const Tensor gate_up = gate_up_proj.contiguous(), down = down_proj.contiguous();
   auto expert_weight = [&](const Tensor& stacked, int64_t e) { return stacked.select(0, e).to(acc); };
 
-  const ExpertGroups g = group_by_expert(topk_ids, E, o.identity_experts);
+  const ExpertGroups g = group_by_expert(topk_ids, E, o.identity_experts + o.zero_experts);
   const int64_t N = g.order.numel();
   const int64_t up_out = o.transposed ? gate_up.size(2) : gate_up.size(1);
   const int64_t inter = o.transposed ? down.size(1) : down.size(2);
@@ -873,6 +878,7 @@ BackwardResult fused_moe_backward(
     d_wts = at::where(topk_ids >= E, (go * xa).sum(at::IntArrayRef{-1}, /*keepdim=*/true), d_wts);
     d_x.add_(go * identity_weight(wts.view({T, K}), topk_ids, E));
   }
+  if (o.zero_experts > 0) d_wts = d_wts.masked_fill(topk_ids >= E, 0.0);  // a zero pair added nothing: d w = 0
   if (grad_topk_weights.has_value()) d_wts = d_wts + grad_topk_weights->to(acc);
   Tensor logits = router_logits(x, router, router_bias, o);
   Tensor d_scale;
@@ -909,8 +915,8 @@ BackwardResult fused_moe_backward(
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
-  "float renorm_min, int group_top, int identity_experts, float jitter_eps, bool round_weights, str post_norm, "    \
-  "float post_norm_eps, float post_norm_offset"
+  "float renorm_min, int group_top, int identity_experts, int zero_experts, float jitter_eps, bool round_weights, " \
+  "str post_norm, float post_norm_eps, float post_norm_offset"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \
   "Tensor down_proj, Tensor? down_bias"

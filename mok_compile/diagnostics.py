@@ -164,6 +164,8 @@ def describe_block(b) -> str:
             extras.append("router_rounded")
         if r.identity_experts:
             extras.append(f"identity_experts={r.identity_experts}")
+        if r.zero_experts:
+            extras.append(f"zero_experts={r.zero_experts}")
         if r.routing == "sparsemixer":
             extras.append(f"jitter_eps={r.jitter_eps:g}")
         parts.append(routing + (f"({', '.join(extras)})" if extras else ""))

@@ -45,8 +45,12 @@ NEWER_FAMILIES = ("deepseek_v4", "inkling2")
 # entries; its tiny models' MLA attention has a shape of its own. Its experts take transformers' experts
 # implementations (grouped_mm) from 5.25 on; 5.17's loop over them calls `.item()` (no whole graph).
 IDENTITY_FAMILIES = ("longcat_flash",)
+# Zaya (transformers 5.25): an MLP router on a projection of the tokens (carried from layer to layer) ranks the
+# experts and a skip expert, which adds nothing (the op's `zero_experts`); its logits, [batch, seq, E + 1], are the
+# op's router argument. Whole models (`make_causal_lm`) and its block in the pass tests.
+ZERO_FAMILIES = ("zaya",)
 # The first transformers whose form of a family the op and the pass cover, where it is not the oldest supported.
-_SINCE = {"longcat_flash": (5, 25)}
+_SINCE = {"longcat_flash": (5, 25), "zaya": (5, 25)}
 # Families whose router and experts are separate modules of the decoder layer, with no MoE block class: whole models
 # only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
 LAYER_FAMILIES = ("gemma4",)
@@ -144,6 +148,12 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
             zero_expert_num=max(1, E // 2), moe_topk=K, routed_scaling_factor=6.0, num_layers=num_layers,
             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
             qk_rope_head_dim=8, head_dim=8, v_head_dim=16, vocab_size=128, max_position_embeddings=256)
+    elif family == "zaya":
+        # One skip expert past the experts (Zaya1: 16 and top-1, the only top-k ZayaConfig takes); its router's MLP
+        # at router_hidden_size.
+        cfg = tf.ZayaConfig(moe_intermediate_size=I, num_experts=E, router_hidden_size=H // 2, head_dim=H // 4,
+                            pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                            **{**common, "num_experts_per_tok": 1})
     elif family == "muse_spark":
         # Its experts run at moe_hidden_size (the block projects the tokens down to it and back up).
         cfg = tf.MuseSparkTextConfig(intermediate_size=2 * I, moe_intermediate_size=I, moe_hidden_size=3 * H // 4,
@@ -165,8 +175,8 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   head_dim=H // 4, interleave_moe_layer_step=1, moe_layers=list(range(num_layers)),
                                   no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
-        raise ValueError(f"unknown family {family!r}; choose from "
-                         f"{ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES + POST_NORM_FAMILIES}")
+        known = ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES + ZERO_FAMILIES + POST_NORM_FAMILIES
+        raise ValueError(f"unknown family {family!r}; choose from {known}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg

@@ -55,7 +55,7 @@ class ExpertsMatch:
     down_bias: fx.Node | Stack | None
     intermediate: int
     specs: list[ExpertSpec] = field(default_factory=list)  # candidates; validation keeps the first that matches
-    identity_experts: int = 0  # router outputs past the experts' count (LongCat-Flash's zero-computation experts)
+    past_experts: int = 0  # router outputs past the experts' count: identity (LongCat-Flash) or zero (Zaya) experts
     runtime: dict = field(default_factory=dict)  # op arguments the graph reads at run time: {"alpha" | "limit": node}
     post_norm: PostNorm | None = None  # an RMSNorm of each expert's output row (its weight: the op's post_norm_weight)
 
@@ -249,8 +249,8 @@ def _silu_rounded(between, h_meta) -> bool:
 def check_weight_application(flow: Dataflow, region: Region, weights: fx.Node, expert_path: set[fx.Node],
                              down_matmuls: list[fx.Node], selection_ops=frozenset(), identity=False):
     """Routing weights must only be reshaped/indexed (or, in loops, selected with `selection_ops`), then
-    multiply the down projection's output. With `identity` experts (router outputs past the experts), the
-    weights of the identity pairs may be zeroed for the experts by an expert-id mask, and the token times its
+    multiply the down projection's output. With `identity` (router outputs past the experts: identity or zero
+    experts), the weights of those pairs may be zeroed for the experts by an expert-id mask, and the token times its
     masked weights' sum (`identity_term`) may be added to the experts' output."""
     wf = flow.forward_slice([weights], within=region.nodes) - {weights}
     if wf & expert_path:
@@ -386,7 +386,7 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
     (m1, gate_up), (m2, down) = sorted(((first_matmul(w), w) for w in weights3d), key=lambda p: flow.order[p[0]])
     if m1 is m2:
         raise NoMatch("both expert weights feed the same matmul")
-    identity = _identity_experts(gate_up, down, E, router)
+    past = _past_experts(gate_up, down, E, router)
     for w in (gate_up, down):
         meta = tensor_meta(w)
         if meta.dtype != x_meta.dtype:
@@ -425,7 +425,7 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
         check_input_weight_application(flow, region, router.weights, m1, m2)
         form = "dense_bmm"
     else:
-        check_weight_application(flow, region, router.weights, expert_path, [m2], identity=identity > 0)
+        check_weight_application(flow, region, router.weights, expert_path, [m2], identity=past > 0)
     normed = {}
     if norm is not None:
         check_post_norm_placement(flow, region, norm, m2, router.weights)
@@ -434,14 +434,14 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
                         **normed) for t, _ in layouts]
     return ExpertsMatch(form=form, gate_up=gate_up, gate_up_bias=bias_role.get("gate_up"), down=down,
                         down_bias=bias_role.get("down"), intermediate=layouts[0][1], specs=specs,
-                        identity_experts=identity, runtime=runtime, post_norm=norm)
+                        past_experts=past, runtime=runtime, post_norm=norm)
 
 
-def _identity_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -> int:
+def _past_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -> int:
     """How many of the router's E outputs lie past the experts' count: 0 where the weights have E experts. More
     router outputs than experts are taken as identity experts (LongCat-Flash's zero-computation experts pass the
-    token through, weighted), which the probe then proves or refutes; NoMatch where the counts disagree otherwise,
-    or the router has what the op does not combine with identity experts."""
+    token through, weighted) or zero experts (Zaya's skip expert adds nothing), which the probe then tells apart or
+    refutes; NoMatch where the counts disagree otherwise, or the router has what the op does not combine with them."""
     counts = [tensor_meta(w).shape[0] for w in (gate_up, down)]
     for w, n in zip((gate_up, down), counts):
         if not same(n, E) and not (isinstance(n, int) and isinstance(E, int) and E > n):
@@ -451,7 +451,7 @@ def _identity_experts(gate_up: fx.Node, down: fx.Node, E, router: RouterMatch) -
     if not same(counts[0], counts[1]):
         raise NoMatch(f"expert weights {gate_up.name} and {down.name} have {counts[0]} and {counts[1]} experts")
     what = (f"router outputs past the experts (expert weight {gate_up.name} has {counts[0]} experts, the router "
-            f"{E}), taken as identity experts (LongCat-Flash's zero-computation experts)")
+            f"{E}), taken as identity or zero experts")
     if router.spec.weight_on_input:
         raise NoMatch(f"{what}, with routing weights on the experts' input: the op has no such form")
     if router.expert_scale is not None:

@@ -160,9 +160,9 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
     report.routing, report.expert_scale = router.spec, router.expert_scale is not None
     experts = match_experts(flow, region, router)
     report.form, report.intermediate = experts.form, experts.intermediate
-    if experts.identity_experts:  # the router's outputs past the experts (LongCat-Flash): proven by the probe
-        router = replace(router, spec=replace(router.spec, identity_experts=experts.identity_experts))
-        report.num_experts = _int(region.E - experts.identity_experts)
+    past = experts.past_experts  # the router's outputs past the experts: identity or zero experts, as the probe tells
+    if past:
+        report.num_experts = _int(region.E - past)
     # Dense weight-on-input routing (Llama4): the graph's weights are [T, E] scores, not the op's [T, K] weights;
     # if something outside the block reads them, they stay in the graph (never replaced by the op's output).
     exportable = None if router.spec.weight_on_input else router.weights
@@ -172,7 +172,11 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
     if plan.router_is_logits:
         routing = replace(routing, router_is_logits=True, router_fp32=False)
         router_arg, router_bias = region.logits, None
-    report.routing = routing
+        if tensor_meta(region.logits).dim() > 2:  # [B, S, E] logits (Zaya's): the op's are [T, E]
+            router_arg = Flat(region.logits, (-1, region.E))
+    # The routings to prove: outputs past the experts as identity experts (LongCat-Flash), then as zero experts (Zaya).
+    variants = [replace(routing, identity_experts=past), replace(routing, zero_experts=past)] if past else [routing]
+    report.routing = routing = variants[0]
     operands = [region.x, router_arg, router_bias, router.selection_bias, experts.gate_up, experts.gate_up_bias,
                 experts.down, experts.down_bias]
     given = {"expert_ids": region.ids} if region.given_ids else {}  # tensors the op takes as keyword arguments
@@ -182,9 +186,10 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
         given["post_norm_weight"] = experts.post_norm.weight
     chosen, failures = None, []
     if not validate:
-        if experts.identity_experts:
-            raise NoMatch(f"the router's {experts.identity_experts} outputs past the experts would be identity experts "
-                          "(LongCat-Flash's zero-computation experts), which only the probe proves; enable validate")
+        if past:
+            raise NoMatch(f"the router's {past} outputs past the experts would be identity experts (LongCat-Flash's "
+                          "zero-computation experts) or zero experts (Zaya's skip expert), which only the probe proves "
+                          "and tells apart; enable validate")
         if len(experts.specs) != 1:
             raise NoMatch(f"{len(experts.specs)} expert layouts fit the weight shapes; enable validate to choose")
         chosen = experts.specs[0]
@@ -192,20 +197,24 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
         roles = {**_roles(router, experts), **({region.ids: "expert_ids"} if region.given_ids else {})}
         if region.router_linear is None:
             roles[region.logits] = "router_logits"
-        for spec in experts.specs:
-            kw = {**op_kwargs(routing, spec), **given, "_intermediate": experts.intermediate}
-            why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache)
-            if why is None:
-                chosen = spec
+        for variant in variants:
+            for spec in experts.specs:
+                kw = {**op_kwargs(variant, spec), **given, "_intermediate": experts.intermediate}
+                why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache)
+                if why is None:
+                    chosen, routing = spec, variant
+                    break
+                failures.append(why)
+            if chosen is not None:
                 break
-            failures.append(why)
         if chosen is None:
-            if routing.identity_experts:
-                raise NoMatch(f"the router's {routing.identity_experts} outputs past the experts were taken as "
-                              f"{routing.identity_experts} identity experts (LongCat-Flash's zero-computation "
-                              f"experts), the probe disproves it: {failures[0]}")
+            if past:
+                raise NoMatch(f"the router's {past} outputs past the experts were taken as {past} identity experts "
+                              f"(LongCat-Flash's zero-computation experts), then as {past} zero experts (Zaya's skip "
+                              f"expert), the probe disproves both: {failures[0]}; "
+                              f"{failures[len(experts.specs)]}")
             raise NoMatch(failures[0])
-    report.experts = chosen
+    report.routing, report.experts = routing, chosen
     kwargs = {**_minimal_kwargs(routing, chosen), **given}
     # Floats the graph reads at run time (under dynamic=True): the op takes the nodes (`routing._weight_chain`).
     runtime = {**router.runtime, **experts.runtime}

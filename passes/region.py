@@ -42,6 +42,7 @@ viewed or not), (4) ends at the experts' sum: no op that never combines
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -81,6 +82,7 @@ KNOWN_OPS = frozenset({
     "tanh",  # Inkling2's softcapped SwiGLU (`experts.activation_between` places it)
     "abs",  # the sparsemixer's masks (`sparsemixer.match_sparsemixer` places it)
     "new_ones",  # Ergo's unit weights of its one-route rows
+    "detach",  # only what chooses may be detached (Zaya's ranked probabilities; `routing.match_router` checks)
 }) | NORM_OPS
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.
@@ -287,7 +289,8 @@ def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.
 
 # ----------------------------------------------------------------------------- router
 
-_ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "softplus", "sqrt", "add", "masked_fill"} | CAST_OPS
+# "detach": Zaya ranks detached probabilities (`routing._check_detached` keeps the weights off it).
+_ROUTER_CHAIN_OPS = {"softmax", "sigmoid", "softplus", "sqrt", "add", "masked_fill", "detach"} | CAST_OPS
 
 
 def _matrix_transpose(n) -> bool:
@@ -532,6 +535,9 @@ def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
         # a product with a number never combines (the combine multiplies two tensors): OpenAI privacy filter's
         # `experts(x) * top_k` lies past the block
         raise NoMatch(f"the candidate output {out.name} scales the experts' sum by a constant")
+    if last in ("add", "mul") and any(_vector_input(a, inputs) for a in tail.args):
+        # nor does a vector the block takes as it is (Zaya's `(moe(x) + bias) * scale` of [H] parameters)
+        raise NoMatch(f"the candidate output {out.name} applies {last!r} of a vector input to the experts' sum")
     expert_weights = [n for n in inputs if n not in routing_side]
     for n in flow.sorted(flow.forward_slice(expert_weights, within=nodes)):
         if n is out or not isinstance(meta_value(n), torch.Tensor):  # sizes may be shared with later code
@@ -539,6 +545,14 @@ def _check_closed(flow: Dataflow, out: fx.Node, nodes: set[fx.Node], inputs: set
         if any(u not in nodes and (u.op == "output" or isinstance(meta_value(u), torch.Tensor))
                for u in flow.readers(n)):
             raise NoMatch(f"expert intermediate {n.name} is used outside the block")
+
+
+def _vector_input(a, inputs) -> bool:
+    """A 1-D tensor among the block's inputs, past views and casts."""
+    if not isinstance(a, fx.Node):
+        return False
+    a = strip(a, LAYOUT_OPS)
+    return a in inputs and (meta := tensor_meta(a)) is not None and meta.dim() == 1
 
 
 def _is_weight_prep(n: fx.Node, root: fx.Node, nodes) -> bool:
@@ -592,12 +606,15 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     x_meta = tensor_meta(x)
     if lmeta is None or x_meta is None:
         raise NoMatch("graph has no shape metadata (pass example_inputs or trace with Dynamo)")
-    if x_meta.dim() != 2 or lmeta.dim() != 2:
+    # Logits of tokens in more dimensions ([B, S, E]: Zaya routes before it flattens the tokens) are the op's router
+    # argument as [T, E] (router_is_logits), with the experts on their [T, H] activation.
+    nd_logits = lmeta.dim() > 2 and x_meta.dim() == lmeta.dim() and not given and mixer is None
+    if (x_meta.dim() != 2 or lmeta.dim() != 2) and not nd_logits:
         raise NoMatch(f"router input has shape {tuple(x_meta.shape)}; expected a 2-D [tokens, hidden] input")
     if anchors is None:
         anchors = block_anchors(gm, flow)
     search = _RegionSearch(gm, flow, anchor, ids, anchors, logits, given, mixer)
-    if logits is router_linear:
+    if logits is router_linear and not nd_logits:
         region = search.around(x, router_linear)
         if region is not None:
             return region
@@ -606,7 +623,7 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     # are scaled): the logits are then an input of the block, as the op's router argument (router_is_logits), and
     # what computes them stays in the graph.
     first = search.reasons
-    activation = _experts_activation(flow, ids, lmeta.shape[0])
+    activation = _experts_activation(flow, ids, math.prod(lmeta.shape[:-1]))
     if activation is None or logits is router_linear and strip(activation, VIEW_OPS) is strip(x, VIEW_OPS):
         raise NoMatch(first[-1] if first else "found no combined [tokens, hidden] output of the experts")
     search.reasons = []
@@ -664,7 +681,7 @@ class _RegionSearch:
                 raise NoMatch("top-k size is not a constant")
             return Region(anchor=anchor, ids=ids, logits=logits, router_linear=router_linear, x=x, root=root,
                           out=out, nodes=nodes, inputs=flow.sorted(inputs), depends_on_router=routed,
-                          T=x_meta.shape[0], H=x_meta.shape[1], E=lmeta.shape[1], K=k, given_ids=given,
+                          T=x_meta.shape[0], H=x_meta.shape[1], E=lmeta.shape[-1], K=k, given_ids=given,
                           sparsemixer=self.mixer)
         return None
 

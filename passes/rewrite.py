@@ -75,7 +75,9 @@ def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs
         if n is region.out or not outside:
             continue
         name = "weights" if n is weights else "ids" if n is region.ids else None
-        if name and all(flow.order[u] > out_pos for u in outside) and not flow.writers.get(n):
+        # The op's [T, K]; weights or ids of another shape ([B, S, K]: Zaya's) stay as the graph computes them.
+        if (name and all(flow.order[u] > out_pos for u in outside) and not flow.writers.get(n)
+                and tensor_meta(n).dim() == 2):
             exports[name] = n
         else:
             kept.append(n)
@@ -125,7 +127,7 @@ def emit(gm: fx.GraphModule, flow: Dataflow, region: Region, plan: Plan, operand
     with graph.inserting_before(region.out):
         tensors = [materialize(o, lambda n: n, stack=lambda xs, d: call(torch.stack, (xs, d)),
                                cat=lambda xs, d: call(torch.cat, (xs, d)),
-                               flat=lambda n: call(torch.reshape, (n, (-1,)))) for o in operands]
+                               flat=lambda n, shape: call(torch.reshape, (n, shape))) for o in operands]
         op = graph.call_function(torch.ops.mok.fused_moe.default, tuple(tensors), kwargs)
         created.append(op)
         outputs = [call(operator.getitem, (op, i)) for i in range(3)]

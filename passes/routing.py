@@ -50,8 +50,10 @@ from .validate import traced_float
 @dataclass(frozen=True)
 class Flat:
     """An operand the graph holds in another shape with the same elements in order: the op gets
-    ``source.reshape(-1)`` (Ernie 4.5 keeps its selection bias as a [1, E] parameter and adds ``bias.squeeze()``)."""
+    ``source.reshape(shape)`` (Ernie 4.5 keeps its selection bias as a [1, E] parameter and adds ``bias.squeeze()``;
+    Zaya's router logits are [B, S, E], the op's [T, E])."""
     source: fx.Node
+    shape: tuple = (-1,)
 
 
 @dataclass
@@ -133,6 +135,12 @@ def _single_user(node: fx.Node, region: Region) -> fx.Node | None:
 
 
 def match_router(region: Region) -> RouterMatch:
+    router = _match_router(region)
+    _check_detached(region, router.weights)
+    return router
+
+
+def _match_router(region: Region) -> RouterMatch:
     x_dtype = tensor_meta(region.x).dtype
     lin = region.router_linear
     if lin is None:  # the logits are an input of the block: the op's router argument (router_is_logits)
@@ -187,6 +195,30 @@ def match_router(region: Region) -> RouterMatch:
                        expert_scale=scale, runtime=runtime)
 
 
+def _check_detached(region: Region, weights: fx.Node) -> None:
+    """A `detach` in the block may only cut what chooses: one between the logits and the top-k, whose output the
+    weights are not computed from (Zaya ranks detached probabilities and gathers the others). NoMatch otherwise,
+    since the op's weights and outputs carry every gradient."""
+    detached = {n for n in region.nodes if op_name(n) == "detach"}
+    if not detached:
+        return
+    chain = set(_pre_anchor_chain(region)) if op_name(region.anchor) == "topk" else set()
+    if detached - chain:
+        n = min(detached - chain, key=lambda d: d.name)
+        raise NoMatch(f"the block detaches {n.name} elsewhere than between the router's logits and its top-k: the op "
+                      "would give it a gradient")
+    seen, todo = set(), [weights]
+    while todo:
+        n = todo.pop()
+        if n in detached:
+            raise NoMatch(f"the routing weights are computed from a detached value ({n.name}): they carry no "
+                          "gradient to the router, the op's do")
+        for a in n.all_input_nodes:  # not through the ids (integers: no gradient), only through what is chosen
+            if a not in seen and a in region.nodes and a is not region.ids and a is not region.anchor:
+                seen.add(a)
+                todo.append(a)
+
+
 def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
     """The routing of a block whose ids are given (hash routing): scores (softmax, sigmoid or sqrt-softplus of the
     logits, or the logits themselves) gathered at the ids, then the weight chain of the top-k forms (a softmax or
@@ -222,7 +254,7 @@ def _score_chain(region: Region):
     for n in _pre_anchor_chain(region):
         name = op_name(n)
         if name == "softmax":
-            if routing is not None or not _is_last_dim(_softmax_dim(n), 2):
+            if routing is not None or not _is_last_dim(_softmax_dim(n), tensor_meta(n).dim()):
                 raise NoMatch("router applies softmax in an unsupported way")
             routing, softmax_fp32 = "softmax_topk", tensor_meta(n).dtype in (torch.float32, torch.float64)
             scores = n
@@ -244,6 +276,8 @@ def _score_chain(region: Region):
             selection_bias = _selection_bias(region, n.args[1])
         elif name == "masked_fill":
             masked = n
+        elif name == "detach":  # the choice needs no gradient; `_check_detached` keeps the weights off it
+            pass
         elif name not in CAST_OPS and not shape_kept(n):
             raise NoMatch(f"router op {name!r} is not supported")
     return routing, softmax_fp32, selection_bias, scores, masked
@@ -276,7 +310,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
             break
         name = op_name(u)
         if name == "softmax" and stage == 0 and routing is None:
-            if not _is_last_dim(_softmax_dim(u), 2):
+            if not _is_last_dim(_softmax_dim(u), tensor_meta(u).dim()):
                 raise NoMatch("softmax over the top-k weights is not over the last dimension")
             routing, softmax_fp32, stage = "topk_softmax", tensor_meta(u).dtype in (torch.float32, torch.float64), 1
         elif name == "sigmoid" and stage == 0 and routing is None:
@@ -394,7 +428,7 @@ def _gathered_scores(region: Region, scores: fx.Node, routing: str | None) -> fx
     if len(gathers) == 1:
         g = gathers[0]
         source = strip(g.args[0], CAST_OPS) if routing in SCORE_ROUTINGS else g.args[0]
-        if arg(g, 1, "dim") not in (1, -1) or arg(g, 2, "index") is not region.ids:
+        if not _is_last_dim(arg(g, 1, "dim"), tensor_meta(g).dim()) or arg(g, 2, "index") is not region.ids:
             source = None
     if source is not scores:
         what = {"sigmoid_grouped_topk": "sigmoid scores", "softmax_topk": "softmax probabilities",
@@ -407,7 +441,7 @@ def _gathered_scores(region: Region, scores: fx.Node, routing: str | None) -> fx
 def _renormalised(region: Region, w: fx.Node, total: fx.Node) -> tuple[fx.Node, float, float, fx.Node | None]:
     """(w / denominator node, eps, min, min node) for ``w / ([clamp(]sum(w)[, min=m)] [+ eps])``, `total` the sum
     node; the min node where m is a float the graph reads at run time (its traced value is min), else None."""
-    if not _is_last_dim(arg(total, 1, "dim"), 2) or not arg(total, 2, "keepdim", False):
+    if not _is_last_dim(arg(total, 1, "dim"), tensor_meta(total).dim()) or not arg(total, 2, "keepdim", False):
         raise NoMatch("routing weights are normalised over an unexpected dimension")
     denom, eps, renorm_min, min_node = total, 0.0, 0.0, None
     nxt = _single_user(denom, region)

@@ -95,7 +95,7 @@ def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict) -> dict:
     return env
 
 
-def materialize(operand, value_of, stack=torch.stack, cat=torch.cat, flat=lambda t: t.reshape(-1)):
+def materialize(operand, value_of, stack=torch.stack, cat=torch.cat, flat=torch.reshape):
     """Value (or graph node) of an op operand: a node, None, a `Stack` recipe of per-expert tensors or a `Flat`
     view of one."""
     from .experts import Stack
@@ -107,7 +107,7 @@ def materialize(operand, value_of, stack=torch.stack, cat=torch.cat, flat=lambda
         parts = [stack([value_of(n) for n in group], 0) for group in operand.groups]
         return parts[0] if len(parts) == 1 else cat(parts, 1)
     if isinstance(operand, Flat):
-        return flat(value_of(operand.source))
+        return flat(value_of(operand.source), operand.shape)
     return value_of(operand)
 
 
@@ -305,7 +305,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             except Exception as err:  # a region that cannot even run on fresh inputs is not proven
                 return f"probe failed to run: {type(err).__name__}: {err}"
             got = env[region.out]
-            got_ids = env[region.ids]
+            got_ids = env[region.ids].reshape(ids.shape)  # [B, S, K] where the logits are [B, S, E] (Zaya's)
             if not torch.equal(got_ids.sort(-1).values, ids.sort(-1).values):
                 return "probe: the op selects different experts than the graph"
             if "ids" in exports and not torch.equal(env[exports["ids"]], ids):

@@ -35,7 +35,8 @@ usual, so unrouted experts (zero input, but possibly a bias) never enter the sum
 
 With ``identity_experts`` (LongCat-Flash) the router ranks E + Z choices; the experts run on the ids clamped
 into the experts' range, an identity pair's output is then replaced by zero (a select, never a product), and the
-identity term ``(x * identity_weight).to(x.dtype)`` is added to the combined output, as the reference does.
+identity term ``(x * identity_weight).to(x.dtype)`` is added to the combined output, as the reference does. With
+``zero_experts`` (Zaya's skip expert) the same, without the identity term.
 
 With a ``post_norm`` each pair's output row is normalised (the reference's `apply_post_norm`) before the combine,
 with its expert's row of a per-expert weight (a gather) or the shared one.
@@ -122,12 +123,12 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
                    round_weights=kw["round_weights"])
     weight_on_input = kw["weight_on_input"]
     E = gate_up_proj.shape[0]
-    identity = kw["identity_experts"] > 0
-    y = _EXPERTS[experts_form](x, ids.clamp(max=E - 1) if identity else ids, gate_up_proj, gate_up_bias, down_proj,
+    past = kw["identity_experts"] + kw["zero_experts"] > 0  # router choices past the experts
+    y = _EXPERTS[experts_form](x, ids.clamp(max=E - 1) if past else ids, gate_up_proj, gate_up_bias, down_proj,
                                down_bias, transposed=kw["transposed"], input_weights=w if weight_on_input else None,
                                activation=kw["activation"], gated=kw["gated"], interleaved=kw["interleaved"],
                                alpha=kw["alpha"], limit=kw["limit"])
-    if identity:  # an identity pair runs no expert
+    if past:  # an identity or zero pair runs no expert
         y = torch.where((ids < E).unsqueeze(-1), y, 0.0)
     if kw["post_norm"] != "none":  # each pair's row with its expert's g (a [E, H] weight) or the shared one
         g = post_norm_scale(kw["post_norm_weight"], kw["post_norm_offset"])
@@ -136,7 +137,7 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
         out = y.sum(dim=1).to(x.dtype)
     else:
         out = (y * w.unsqueeze(-1)).sum(dim=1).to(x.dtype)
-    if identity:
+    if kw["identity_experts"]:
         out = out + (x * identity_weight(w, ids, E)).to(x.dtype)
     return out, w, ids
 

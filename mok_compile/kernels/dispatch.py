@@ -255,7 +255,8 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
                     K: tl.constexpr, HAS_W: tl.constexpr, ROUND_PRODUCT: tl.constexpr, HAS_EXTRA: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_be=None,
                     HAS_BIAS: tl.constexpr = False, ident_ptr=None, iw_ptr=None, stride_ident=0, num_experts=0,
-                    IDENTITY: tl.constexpr = False, ROUND_IDENTITY: tl.constexpr = False, norm_r_ptr=None,
+                    IDENTITY: tl.constexpr = False, ROUND_IDENTITY: tl.constexpr = False, ZERO: tl.constexpr = False,
+                    norm_r_ptr=None,
                     norm_g_ptr=None, stride_ge=0, NORM: tl.constexpr = False, NORM_SCALED: tl.constexpr = False,
                     NORM_PER_EXPERT: tl.constexpr = False):
     """HAS_BIAS: y rows are expert outputs without their bias; add bias[ids[t, k]] (rounded, as the
@@ -263,6 +264,7 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
     IDENTITY: pairs whose id is num_experts or more (identity experts) have no y row; their weights (`iw_ptr`) are
     summed into s[t] and s[t] * ident[t] is added (the forward: ident = x, each of the experts' sum and the
     identity term rounded to the output dtype first, ROUND_IDENTITY; the backward: ident = grad_out, in fp32).
+    ZERO (with IDENTITY): those pairs are zero experts' instead, which add nothing: no term, no ident or iw read.
     NORM: y rows are a post-expert norm's input; each is normalised (`post_norm.normalized`, at its rsqrt
     norm_r[row] and the g row of its expert, or the shared one) and rounded to the output dtype before weighting."""
     pid_t = tl.program_id(0)
@@ -274,13 +276,16 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
     acc = tl.zeros((BLOCK_T, BLOCK_H), tl.float32)
     DT = out_ptr.dtype.element_ty
     if IDENTITY:
-        s = tl.zeros((BLOCK_T,), tl.float32)
+        if not ZERO:
+            s = tl.zeros((BLOCK_T,), tl.float32)
     for k in tl.static_range(K):
         p = tl.load(pos_ptr + rows * K + k, mask=rmask, other=0).to(tl.int64)
         if IDENTITY:
             e = tl.load(ids_ptr + rows * K + k, mask=rmask, other=0)
-            passed = e >= num_experts
-            s += tl.where(passed, tl.load(iw_ptr + rows * K + k, mask=rmask & passed, other=0.0).to(tl.float32), 0.0)
+            if not ZERO:
+                passed = e >= num_experts
+                s += tl.where(passed, tl.load(iw_ptr + rows * K + k, mask=rmask & passed, other=0.0).to(tl.float32),
+                              0.0)
             vm = m & (e < num_experts)[:, None]
         else:
             vm = m
@@ -303,12 +308,12 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
             if ROUND_PRODUCT:  # HF multiplies in the input dtype when the weights were cast to it
                 v = v.to(DT).to(tl.float32)
         if IDENTITY:
-            v = tl.where(vm, v, 0.0)  # an identity pair adds nothing here (not even 0 * a weight of inf)
+            v = tl.where(vm, v, 0.0)  # an identity (or zero) pair adds nothing here (not even 0 * a weight of inf)
         acc += v
     if HAS_EXTRA:
         acc += tl.load(extra_ptr + rows[:, None].to(tl.int64) * stride_extra + hcols[None, :], mask=m,
                        other=0.0).to(tl.float32)
-    if IDENTITY:
+    if IDENTITY and not ZERO:
         if ROUND_IDENTITY:  # s in the weights' dtype, as their sum is; x * s in fp32 (or in it), then rounded
             s = s.to(iw_ptr.dtype.element_ty).to(tl.float32)
         src = tl.load(ident_ptr + rows[:, None].to(tl.int64) * stride_ident + hcols[None, :], mask=m,
@@ -331,7 +336,8 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
     `identity` = (source [T, H], weights [T, K], num_experts, rounded): the pairs of `topk_ids` past num_experts
     (identity experts) have no y row; s[t] * source[t] is added, s[t] the sum of their weights, where `rounded`
     (the forward) as LongCat-Flash rounds it: s in the weights' dtype, then the experts' sum and the identity term
-    each rounded to out_dtype before they are added.
+    each rounded to out_dtype before they are added. (None, None, num_experts, False): those pairs are zero experts'
+    (Zaya's skip expert), which add nothing.
     `norm` = (r [T*K], g [H] or [E, H] fp32, scaled): y is a post-expert norm's input, normalised row by row as it is
     read (`post_norm.row_rsqrt` gives r; not with a bias or identity experts, as the op's inputs are checked)."""
     if round_product is None:
@@ -350,9 +356,9 @@ def combine(y, pair_pos, topk_weights, extra, T, K, out_dtype, round_product=Non
         HAS_EXTRA=extra is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
         **({} if bias is None and identity is None and norm is None else dict(ids_ptr=topk_ids)),
         **({} if bias is None else dict(bias_ptr=bias, stride_be=bias.stride(0), HAS_BIAS=True)),
-        **({} if identity is None else dict(
-            ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0), num_experts=identity[2],
-            IDENTITY=True, ROUND_IDENTITY=identity[3])),
+        **({} if identity is None else dict(num_experts=identity[2], IDENTITY=True, ZERO=identity[0] is None)),
+        **({} if identity is None or identity[0] is None else dict(
+            ident_ptr=identity[0], iw_ptr=identity[1], stride_ident=identity[0].stride(0), ROUND_IDENTITY=identity[3])),
         **({} if norm is None else dict(
             norm_r_ptr=norm[0], norm_g_ptr=norm[1], stride_ge=norm[1].stride(0) if norm[1].dim() == 2 else 0,
             NORM=True, NORM_SCALED=norm[2], NORM_PER_EXPERT=norm[1].dim() == 2)),

@@ -349,7 +349,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
-    R = routing_width(gate_up_proj, kw)  # the router's choices: the experts, then any identity experts
+    R = routing_width(gate_up_proj, kw)  # the router's choices: the experts, then any identity or zero experts
     K = kw["top_k"]
     weights_dtype = torch.float32 if kw["weights_fp32"] else x.dtype
     logits = _logits(x, router, router_bias, kw)
@@ -370,7 +370,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         layout = torch.zeros(layout_size(R, 0), dtype=torch.int32, device=x.device)
         norm_input = x.new_empty((0, H))
         return out + (x.new_empty((0, gate_up_cols)), _kept_logits(logits, router, R, kw), layout, norm_input)
-    rows_per_expert = T * K / R  # at even routing over the router's choices (identity experts run no rows)
+    rows_per_expert = T * K / R  # at even routing over the router's choices (identity and zero experts run no rows)
     eng = _engines(x, gate_up_proj, down_proj, I, rows_per_expert, kw)
     y, h = _expert_rows(x, disp, ids, w, gate_up_proj, gate_up_bias, down_proj, down_bias, I, kw, eng,
                         rows_per_expert, save_h=save_gate_up)
@@ -434,14 +434,22 @@ def _rounded_weights_dtype(x, kw):
 
 
 def _identity(source, weights, E, kw, *, rounded):
-    """`combine`'s identity argument where the router has identity experts, else None."""
-    return (source, weights, E, rounded) if kw["identity_experts"] else None
+    """`combine`'s identity argument where the router has choices past the experts, else None: identity experts
+    add `source` weighted; zero experts' pairs are only skipped (no source, no weights)."""
+    if kw["identity_experts"]:
+        return (source, weights, E, rounded)
+    return (None, None, E, False) if kw["zero_experts"] else None
+
+
+def _past_experts(kw) -> bool:
+    """Whether the router has choices past the experts (identity or zero experts), whose pairs run no expert."""
+    return bool(kw["identity_experts"] or kw["zero_experts"])
 
 
 def _bias_ids(ids, E, bias, kw):
-    """The ids a pass over every sorted row reads an expert bias at: an identity pair's row (garbage, never read
-    afterwards) reads expert E - 1's rather than past the bias."""
-    return ids.clamp(max=E - 1) if kw["identity_experts"] and bias is not None else ids
+    """The ids a pass over every sorted row reads an expert bias at: an identity (or zero) pair's row (garbage,
+    never read afterwards) reads expert E - 1's rather than past the bias."""
+    return ids.clamp(max=E - 1) if _past_experts(kw) and bias is not None else ids
 
 
 _BACKWARD_PLANS = plan.PlanCache()
@@ -504,7 +512,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
-    R = routing_width(gate_up_proj, kw)  # the router's choices: the experts, then any identity experts
+    R = routing_width(gate_up_proj, kw)  # the router's choices: the experts, then any identity or zero experts
     K = topk_ids.shape[1]
     transposed, gated, woi = kw["transposed"], kw["gated"], kw.get("weight_on_input", False)
     zeros_like = torch.zeros_like
@@ -523,7 +531,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         disp = Dispatch.from_layout(routing_layout, E, K, T * K, num_buckets=R)
     else:
         disp = Dispatch.from_ids(topk_ids, E, num_buckets=R)
-    rows_per_expert = T * K / R  # at even routing over the router's choices (identity experts run no rows)
+    rows_per_expert = T * K / R  # at even routing over the router's choices (identity and zero experts run no rows)
     precision = _precision(x.dtype)
     go = grad_out.to(x.dtype).contiguous()
     w_flat = topk_weights.reshape(-1).contiguous()
@@ -620,10 +628,10 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         dw_extra = grad_topk_weights.float()
     if down_bias is not None and not woi:  # <go[t], b2[e]> part of d(topk_weights): one small GEMM, then a gather
         bias_term = (go.float() @ down_bias.float().t()).gather(1, _bias_ids(topk_ids, E, down_bias, kw))
-        if kw["identity_experts"]:
+        if _past_experts(kw):
             bias_term = bias_term.masked_fill(topk_ids >= E, 0.0)
         dw_extra = bias_term if dw_extra is None else dw_extra + bias_term
-    # An identity pair added w * x[t]: its d(w) is <grad_out[t], x[t]> (route_backward adds it).
+    # An identity pair added w * x[t]: its d(w) is <grad_out[t], x[t]> (route_backward adds it); a zero pair's is 0.
     identity_dot = row_dots(grad_out.contiguous(), x) if kw["identity_experts"] else None
     logits = saved_logits if saved_logits is not None else _logits(x, router, router_bias, kw)
     # d(logits) feeds the router's gradients in the router's own dtype (bf16 for most models, as HF's autograd

@@ -378,6 +378,7 @@ def _route_bwd_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, renorm_min=0.0,
     expert_scale_ptr=None, dscale_sorted_ptr=None, EXPERT_SCALE: tl.constexpr = False, num_experts=0,
     identity_dot_ptr=None, IDENTITY: tl.constexpr = False, threshold=0.0, LOW: tl.constexpr = False,
+    ZERO: tl.constexpr = False,
 ):
     """d(logits) [T, E] fp32 from d(topk_weights), recomputing the pre-renorm weights from the logits (the
     sparsemixer's, ROUTING 5: each round's softmax over the experts it kept, whose masks are recomputed as the
@@ -388,7 +389,8 @@ def _route_bwd_kernel(
     EXPERT_SCALE: the weights were w * s[ids]; each pair's d(weight) * w goes to `dscale_sorted` at its sorted
     position (the caller sums them per expert), and w's gradient is d(weight) * s[ids].
     IDENTITY: pairs whose id is num_experts or more (identity experts) ran no expert: their sorted positions hold
-    no partial sums; their d(weight) is their token's <grad_out, x> (`identity_dot_ptr` [T]), plus `dw_extra`."""
+    no partial sums; their d(weight) is their token's <grad_out, x> (`identity_dot_ptr` [T]), plus `dw_extra`.
+    ZERO (with IDENTITY): those are zero experts' pairs, which added nothing: their d(weight) is `dw_extra` alone."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -415,7 +417,7 @@ def _route_bwd_kernel(
     for _ in tl.range(0, n_parts, loop_unroll_factor=8):
         d += tl.load(part_ptrs, mask=pmask, other=0.0)
         part_ptrs += TK
-    if IDENTITY:
+    if IDENTITY and not ZERO:
         dot = tl.load(identity_dot_ptr + rows, mask=rmask, other=0.0)
         d += tl.where(omask & (ids >= num_experts), dot[:, None], 0.0)
     if HAS_EXTRA:
@@ -521,8 +523,9 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
     needs fp32: one cast launch less); `dw_parts` [n_parts, T*K] fp32 partial d(topk_weights) by sorted
     position. With `expert_scale`: (d(logits), [T*K] fp32 each pair's part of d(expert_scale) at its sorted
     position), which the caller sums per expert (`moe._backward`). `num_experts` (fewer than E, the logits'
-    width: identity experts): the pairs of ids from it on have no partial sums; `identity_dot` [T] fp32 is their
-    d(weight) (<grad_out, x> of their token, `row_dots`). `softmax_fp32`, `jitter_eps`: the sparsemixer's."""
+    width: identity or zero experts): the pairs of ids from it on have no partial sums; `identity_dot` [T] fp32 is
+    their d(weight) (<grad_out, x> of their token, `row_dots`), or None for zero experts (d(weight) 0).
+    `softmax_fp32`, `jitter_eps`: the sparsemixer's."""
     T, E = logits.shape
     K = topk_ids.shape[1]
     block_t, block_e = route_backward_block(E, T)
@@ -532,7 +535,7 @@ def route_backward(logits, topk_ids, pair_pos, dw_parts, dw_extra, *, routing, r
         dscale_sorted = torch.empty((T * K,), dtype=torch.float32, device=logits.device)
         scaled = dict(expert_scale_ptr=expert_scale, dscale_sorted_ptr=dscale_sorted, EXPERT_SCALE=True)
     if num_experts is not None and num_experts < E:
-        scaled.update(num_experts=num_experts, identity_dot_ptr=identity_dot, IDENTITY=True)
+        scaled.update(num_experts=num_experts, identity_dot_ptr=identity_dot, IDENTITY=True, ZERO=identity_dot is None)
     if T > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         launcher(_route_bwd_kernel)[(cdiv(T, block_t),)](

@@ -35,8 +35,8 @@ _SCALARS = (
     "bool softmax_fp32=True, bool renormalize=False, float renorm_eps=0.0, float routed_scale=1.0, "
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
-    "float renorm_min=0.0, int group_top=2, int identity_experts=0, float jitter_eps=0.0, bool round_weights=False, "
-    "str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0"
+    "float renorm_min=0.0, int group_top=2, int identity_experts=0, int zero_experts=0, float jitter_eps=0.0, "
+    "bool round_weights=False, str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -139,10 +139,13 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if w.dtype != x.dtype:
             _fail(f"{name} dtype {w.dtype} differs from hidden_states dtype {x.dtype}")
     E = gate_up_proj.shape[0]
-    Z = kw["identity_experts"]
-    if Z < 0:
-        _fail(f"identity_experts must be >= 0, got {Z}")
-    R = E + Z  # the router's choices: the experts, then the identity experts
+    for name in ("identity_experts", "zero_experts"):
+        if kw[name] < 0:
+            _fail(f"{name} must be >= 0, got {kw[name]}")
+    if kw["identity_experts"] and kw["zero_experts"]:
+        _fail("identity_experts and zero_experts cannot be combined: the op has one kind of choice past the experts")
+    Z = kw["identity_experts"] + kw["zero_experts"]
+    R = E + Z  # the router's choices: the experts, then the identity (or zero) experts
     if down_proj.shape[0] != E:
         _fail(f"down_proj has {down_proj.shape[0]} experts but gate_up_proj has {E}")
     up_out = 2 if gated else 1
@@ -169,13 +172,13 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"down_bias must have shape [{E}, {H}], got {tuple(down_bias.shape)}")
     if router_is_logits:
         if router.dim() != 2 or router.shape[1] != R:
-            _fail(f"router (logits) must be [T, {R}]{_choices(E, Z)}, got shape {tuple(router.shape)}")
+            _fail(f"router (logits) must be [T, {R}]{_choices(E, kw)}, got shape {tuple(router.shape)}")
         _check(router.shape[0] == T, f"router logits have {router.shape[0]} rows but hidden_states has {T}")
         if router_bias is not None:
             _fail("router_bias must be None when router_is_logits=True")
     else:
         if router.dim() != 2 or tuple(router.shape) != (R, H):
-            _fail(f"router weight must be [{R}, {H}]{_choices(E, Z)}, got shape {tuple(router.shape)}")
+            _fail(f"router weight must be [{R}, {H}]{_choices(E, kw)}, got shape {tuple(router.shape)}")
         if not router_fp32 and router.dtype != x.dtype:
             _fail(f"router dtype {router.dtype} differs from hidden_states dtype {x.dtype}; "
                   "pass router_fp32=True for an fp32 router")
@@ -211,17 +214,17 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         if t is not None and t.device != x.device:
             _fail(f"{name} is on {t.device} but hidden_states is on {x.device}")
     if not 1 <= top_k <= R:
-        _fail(f"top_k={top_k} must be between 1 and the number of experts E={R}{_choices(E, Z)}")
+        _fail(f"top_k={top_k} must be between 1 and the number of experts E={R}{_choices(E, kw)}")
     if kw.get("expert_ids") is not None:
         _check_expert_ids(kw["expert_ids"], x, top_k, selection_bias, n_group)
     if kw.get("expert_scale") is not None:
         _check_expert_scale(kw["expert_scale"], x, E, kw["weight_on_input"])
         if Z:
-            _fail("expert_scale is not supported with identity_experts")
+            _fail(f"expert_scale is not supported with {_past_name(kw)}")
     if kw["post_norm"] != "none" or kw.get("post_norm_weight") is not None:
         _check_post_norm(kw.get("post_norm_weight"), x, E, down_bias, kw)
     if Z and kw["weight_on_input"]:
-        _fail("identity_experts is not supported with weight_on_input=True")
+        _fail(f"{_past_name(kw)} is not supported with weight_on_input=True")
     if routing not in ROUTINGS:
         _fail(f"routing={routing!r} is not supported; use one of {ROUTINGS}")
     if n_group > 1:
@@ -241,14 +244,20 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
     return T, H, E, I
 
 
-def _choices(E, Z) -> str:
-    """How a router width is made up, where identity experts add to it (error messages)."""
-    return f" ({E} experts + {Z} identity experts)" if Z else ""
+def _past_name(kw) -> str:
+    """The argument naming the router's choices past the experts (error messages)."""
+    return "zero_experts" if kw["zero_experts"] else "identity_experts"
+
+
+def _choices(E, kw) -> str:
+    """How a router width is made up, where identity or zero experts add to it (error messages)."""
+    Z = kw["identity_experts"] + kw["zero_experts"]
+    return f" ({E} experts + {Z} {_past_name(kw).replace('_', ' ')})" if Z else ""
 
 
 def routing_width(gate_up_proj, kw) -> int:
-    """The router's choices: the experts, then `identity_experts` more (the width of the logits)."""
-    return gate_up_proj.shape[0] + kw["identity_experts"]
+    """The router's choices: the experts, then `identity_experts` or `zero_experts` more (the logits' width)."""
+    return gate_up_proj.shape[0] + kw["identity_experts"] + kw["zero_experts"]
 
 
 def _check_expert_ids(ids, x, top_k, selection_bias, n_group):
@@ -296,7 +305,7 @@ def _check_post_norm(weight, x, num_experts, down_bias, kw):
     if not abs(kw["post_norm_offset"]) < float("inf"):
         _fail(f"post_norm_offset must be finite, got {kw['post_norm_offset']}")
     for name, unsupported in (("weight_on_input=True", kw["weight_on_input"]), ("down_bias", down_bias is not None),
-                              ("identity_experts", kw["identity_experts"])):
+                              ("identity_experts", kw["identity_experts"]), ("zero_experts", kw["zero_experts"])):
         if unsupported:
             _fail(f"post_norm is not supported with {name}")
 

@@ -293,7 +293,7 @@ def experts_reference(x, topk_weights, topk_ids, gate_up_proj, gate_up_bias, dow
                       activation, gated, interleaved, transposed, alpha, limit, weight_on_input=False,
                       post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0, post_norm_weight=None):
     """sum_k w[t,k] * expert_{ids[t,k]}(x[t]) computed only for routed pairs; a pair whose id is past the experts
-    (an identity expert's) adds nothing here. With a `post_norm`, each pair's expert output is normalised
+    (an identity or zero expert's) adds nothing here. With a `post_norm`, each pair's expert output is normalised
     (`apply_post_norm`) before its weight.
 
     weight_on_input: sum_k expert_{ids[t,k]}((x[t] * w[t,k]).to(x.dtype)) instead (Llama4); the product is
@@ -339,9 +339,9 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         router_fp32=False, softmax_fp32=True, renormalize=False, renorm_eps=0.0,
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
-                        weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0,
-                        round_weights=False, post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0,
-                        expert_ids=None, expert_scale=None, post_norm_weight=None):
+                        weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, zero_experts=0,
+                        jitter_eps=0.0, round_weights=False, post_norm="none", post_norm_eps=1e-6,
+                        post_norm_offset=0.0, expert_ids=None, expert_scale=None, post_norm_weight=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
@@ -504,10 +504,10 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  softmax_fp32=True, renormalize=False, renorm_eps=0.0, routed_scale=1.0, n_group=1,
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
-                                 renorm_min=0.0, group_top=2, identity_experts=0, jitter_eps=0.0,
-                                 round_weights=False, post_norm="none", post_norm_eps=1e-6, post_norm_offset=0.0,
-                                 gate_up_out=None, router_logits=None, routing_layout=None, expert_scale=None,
-                                 post_norm_weight=None, post_norm_input=None):
+                                 renorm_min=0.0, group_top=2, identity_experts=0, zero_experts=0,
+                                 jitter_eps=0.0, round_weights=False, post_norm="none", post_norm_eps=1e-6,
+                                 post_norm_offset=0.0, gate_up_out=None, router_logits=None, routing_layout=None,
+                                 expert_scale=None, post_norm_weight=None, post_norm_input=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, `post_norm_input`, what the CUDA kernels' forward saved,
     are not read).
@@ -515,6 +515,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     weight_on_input: the expert input is xs = x * w (recomputed in the accumulation dtype); with dxs its
     gradient, d x += dxs * w and d w = <dxs, x>; the combine is unweighted, so it adds no weight gradient.
     identity_experts: an identity pair adds w * x to the output: d w = <go, x> and d x += w * go.
+    zero_experts: a zero pair adds nothing (its row is skipped): d w = 0 there.
     post_norm: a pair adds w * n(y): d w = <go, n(y)>, and d y, d g from `post_norm_backward` of w * go.
     round_weights: the weights' rounding reads as the identity.
 

@@ -93,6 +93,11 @@ class RoutingSpec:
         and passes its token through, weighted (LongCat-Flash's zero-computation
         experts): ``out = experts_sum.to(x.dtype) + (x * s).to(x.dtype)`` with ``s``
         the sum of the token's identity weights, rounded as LongCat does it.
+    zero_experts: the router ranks ``E + zero_experts`` choices; a pair sent to
+        one of the last ``zero_experts`` (ids ``E ..``) runs no expert and adds
+        nothing (Zaya's skip expert, MoE++'s zero experts): its weight counts in
+        the routing (the softmax, a renormalisation) but has no gradient from
+        the output. Not together with ``identity_experts``.
 
     "fp32" in these flags means "at least fp32": HF's ``.float()`` upcasts bf16
     and fp16, while fp64 inputs stay fp64 (so fp64 gradcheck sees no fp32 rounding).
@@ -113,6 +118,7 @@ class RoutingSpec:
     renorm_min: float = 0.0
     group_top: int = 2
     identity_experts: int = 0
+    zero_experts: int = 0
     jitter_eps: float = 0.0
     round_weights: bool = False
 
@@ -131,6 +137,11 @@ class RoutingSpec:
             raise ValueError(f"renorm_min must be a finite number >= 0, got {self.renorm_min}")
         if self.identity_experts < 0:
             raise ValueError(f"identity_experts must be >= 0, got {self.identity_experts}")
+        if self.zero_experts < 0:
+            raise ValueError(f"zero_experts must be >= 0, got {self.zero_experts}")
+        if self.zero_experts and self.identity_experts:
+            raise ValueError("identity_experts and zero_experts cannot be combined (the op has one kind of choice "
+                             "past the experts)")
         if not 0.0 <= self.jitter_eps < float("inf"):
             raise ValueError(f"jitter_eps must be a finite number >= 0, got {self.jitter_eps}")
         if self.round_weights and not self.weights_fp32:

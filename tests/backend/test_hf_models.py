@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mok_compile.hf_blocks import available
+from mok_compile.hf_blocks import available, init_moe_weights_
 
 from .helpers import FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
@@ -124,6 +124,32 @@ def test_longcat_flash_trains_fused(dtype):
     model.set_experts_implementation("grouped_mm")
     assert model.config.zero_expert_num == model.config.n_routed_experts // 2
     _check_step(model, dtype, train=True)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "inference"])
+def test_zaya_fused(train):
+    """Zaya (transformers >= 5.25): an MLP router on a projection of the tokens carried from layer to layer ranks the
+    experts and a skip expert (the op's zero_experts; the logits, [batch, seq, E + 1], its router argument), and a
+    residual scaling follows the block. Every layer fused; training in fp32, logits, loss and every gradient as
+    eager's; inference in bf16, logits bitwise eager's. Some tokens choose the skip expert in each layer."""
+    if not available(["zaya"]):
+        pytest.skip("Zaya is in transformers from 5.25 on")
+    dtype = torch.float32 if train else torch.bfloat16
+    model = tiny_model("zaya", dtype)
+    skipped, hooks = [], []
+    for layer in model.model.layers:
+        # A router that tells tokens apart (HF's init gives every token nearly the same logits), and a selection
+        # bias that sends some to the skip expert (HF's -1 keeps every token off it).
+        init_moe_weights_(layer.mlp.gate, std=0.3)
+        layer.mlp.gate.balancing_biases.zero_()[-1] = 0.1
+        hooks.append(layer.mlp.gate.register_forward_hook(
+            lambda m, a, out: skipped.append(int((out[1] == 0).sum()))))  # a skip pair's weight is 0
+    with torch.no_grad():
+        model(token_ids())
+    for hook in hooks:
+        hook.remove()
+    assert len(skipped) == NUM_LAYERS and all(0 < n < 32 for n in skipped), skipped
+    _check_step(model, dtype, train=train)
 
 
 def test_inkling2_trains_fused():

@@ -1,7 +1,8 @@
-"""Identity experts (`mok::fused_moe`'s `identity_experts`, LongCat-Flash's zero-computation experts) in the Triton
-kernels: the router ranks E + Z choices, the sort gives the identity pairs the last sorted positions, which no GEMM
-runs, and the combine adds each token's identity weight times x (forward) or times grad_out (backward); an identity
-pair's d(weight) is <grad_out, x>. Forward, backward with and without the training forward's saved layout, against
+"""Identity experts (`mok::fused_moe`'s `identity_experts`, LongCat-Flash's zero-computation experts) and zero experts
+(`zero_experts`, Zaya's skip expert) in the Triton kernels: the router ranks E + Z choices, the sort gives the pairs
+past the experts the last sorted positions, which no GEMM runs, and the combine adds each token's identity weight
+times x (forward) or times grad_out (backward); an identity pair's d(weight) is <grad_out, x>. A zero pair adds
+nothing and its d(weight) is 0. Forward, backward with and without the training forward's saved layout, against
 the reference in fp32, for every routing family, at a token count one routing program holds and at one it does
 not, with expert biases on both projections, and given ids naming identity experts; the gradients twice, for the
 same bits. Run under TRITON_INTERPRET=1 in a subprocess (the Triton engine, and the CUTLASS engine's glue), and on
@@ -23,6 +24,7 @@ from tests.kernels.cases import rel_err, small_layer
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk")
 NAMES = ("dx", "drouter", None, "dw1", "db1", "dw2", "db2")
+KIND = "identity"  # or "zero" (the zero experts' tests replace this line)
 
 def compare(device, seed, dtype=torch.float32):
     res = one_engine(device, seed, dtype)
@@ -44,7 +46,7 @@ def one_engine(device, seed, dtype, routings=ROUTINGS + ("given",)):
         gw = torch.randn(T, K, generator=g).to(device, dtype)
         for routing in routings if T < 64 else routings[:1]:
             kw = dict(top_k=K, routing=routing, renormalize=routing not in ("topk_softmax", "softmax_topk"),
-                      routed_scale=1.5, identity_experts=Z)
+                      routed_scale=1.5, **{KIND + "_experts": Z})
             if routing == "given":  # given ids (hash routing) naming identity experts too, one row an expert twice
                 given = torch.randint(0, E + Z, (T, K), generator=g)
                 given[0] = torch.tensor([E, E, 1])
@@ -76,15 +78,21 @@ def _check(results, tol=2e-5, cases=7):
         assert max(r.values()) < tol, (name, r)
 
 
-def test_identity_experts_interpreted():
+def _case(kind):
+    return _CASE.replace('KIND = "identity"', f'KIND = "{kind}"')
+
+
+@pytest.mark.parametrize("kind", ["identity", "zero"])
+def test_identity_experts_interpreted(kind):
     """Also through the CUTLASS engine's glue (gathers, activation passes over every sorted row, the bias sums), with
     PyTorch's CPU grouped_mm standing in for CUTLASS."""
-    _check(run_compare(_CASE, "cpu"), cases=9)
+    _check(run_compare(_case(kind), "cpu"), cases=9)
 
 
 @pytest.mark.gpu
-def test_identity_experts_gpu():
-    _check(run_compare(_CASE, "cuda"))
+@pytest.mark.parametrize("kind", ["identity", "zero"])
+def test_identity_experts_gpu(kind):
+    _check(run_compare(_case(kind), "cuda"))
 
 
 _COMBINE_CASE = r"""
@@ -119,6 +127,10 @@ def compare(device, seed):
         s = w.masked_fill(ids < E, 0.0).sum(dim=-1, keepdim=True)
         want = experts.to(dtype) + (x * s).to(dtype)
         res[f"{dtype}/{w_dtype}"] = bool(torch.equal(out, want))
+        # zero experts: their pairs' rows (NaN) are skipped, nothing else is added
+        zero = combine(y.to(device), pos, w.to(device), None, T, K, dtype, topk_ids=ids.to(device),
+                       identity=(None, None, E, False)).cpu()
+        res[f"zero/{dtype}/{w_dtype}"] = bool(torch.equal(zero, experts.to(dtype)))
     return res
 """
 
@@ -126,9 +138,10 @@ def compare(device, seed):
 def test_identity_combine_rounds_as_longcat_interpreted():
     """The forward combine with identity pairs, bit for bit LongCat-Flash's rounding: the experts' weighted sum
     rounded to the output dtype, the identity term x * (identity weights' sum) rounded, then added; identity pairs'
-    rows (NaN here) never read; in fp16 with fp32 and fp16 weights, and fp32."""
-    assert run_compare(_COMBINE_CASE, "cpu") == dict.fromkeys(
-        ["torch.float16/torch.float32", "torch.float16/torch.float16", "torch.float32/torch.float32"], True)
+    rows (NaN here) never read; in fp16 with fp32 and fp16 weights, and fp32. The same pairs as zero experts' add
+    nothing: the experts' weighted sum, rounded."""
+    keys = ["torch.float16/torch.float32", "torch.float16/torch.float16", "torch.float32/torch.float32"]
+    assert run_compare(_COMBINE_CASE, "cpu") == dict.fromkeys(keys + ["zero/" + k for k in keys], True)
 
 
 @pytest.mark.gpu
@@ -137,13 +150,15 @@ def test_identity_combine_rounds_as_longcat_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T, biases", [(1, False), (3, False), (300, False), (4096, False), (3, True), (4096, True)])
-def test_identity_experts_through_autograd_on_cuda(T, biases, monkeypatch):
+@pytest.mark.parametrize("T, biases, kind", [(1, False, "identity"), (3, False, "identity"), (300, False, "identity"),
+                                             (4096, False, "identity"), (3, True, "identity"),
+                                             (4096, True, "identity"), (3, False, "zero"), (4096, True, "zero")])
+def test_identity_experts_through_autograd_on_cuda(T, biases, kind, monkeypatch):
     """bf16 with LongCat-Flash's proportions (64 experts + 32 identity experts, top-12, an fp32 router, scaled
     weights), through the op's autograd: the first call runs the launches, the second captures CUDA graphs at few
     tokens (forward and backward), the third replays them, a fourth runs with the graphs off. Every call gives the
     same bits, within bf16 rounding of the reference. With expert biases too (which the GEMM engines of many rows
-    add in other places than the Triton kernels)."""
+    add in other places than the Triton kernels). The same with the 32 choices as zero experts."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from mok_compile.ops import reference
@@ -159,7 +174,7 @@ def test_identity_experts_through_autograd_on_cuda(T, biases, monkeypatch):
     w1, w2 = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
     b1, b2 = (rnd(E, 2 * I, scale=0.1), rnd(E, H, scale=0.1)) if biases else (None, None)
     go = rnd(T, H, scale=1.0)
-    kw = dict(top_k=K, router_fp32=True, routed_scale=6.0, identity_experts=Z)
+    kw = dict(top_k=K, router_fp32=True, routed_scale=6.0, **{f"{kind}_experts": Z})
     weights = [t.clone().requires_grad_() for t in (router, w1, w2, *((b1, b2) if biases else ()))]
 
     def step():

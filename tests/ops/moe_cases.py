@@ -186,10 +186,10 @@ def make_args(case: Case, T: int = 6, H: int = 12, I: int = 4, *, dtype: torch.d
     H != 2I and H != I so that a wrong layout cannot pass by accident. Scales give
     well separated router scores (no ties) and unit-scale expert activations.
     dtype overrides the case's dtype for every tensor (router included). The router ranks the experts and any
-    identity experts (`RoutingSpec.identity_experts`).
+    identity or zero experts (`RoutingSpec.identity_experts`, `zero_experts`).
     """
     E = case.num_experts
-    R = E + case.routing.identity_experts
+    R = E + case.routing.identity_experts + case.routing.zero_experts
     x_dtype = dtype or case.dtype
     r_dtype = dtype or case.router_dtype or x_dtype
     gen = torch.Generator().manual_seed(seed)
@@ -326,7 +326,8 @@ def dense_oracle(args, kwargs):
     which a kernel returns the k choices. With `expert_ids` in `kwargs` (given ids, which may repeat an expert
     in a row: then the key holds the last slot's weight) those are the chosen experts, in their order. With
     `expert_scale`, each weight is multiplied last by its expert's value. A choice past the experts (an identity
-    expert's) adds the token itself, weighted. With a `post_norm`, each expert's output is normalised before its
+    expert's) adds the token itself, weighted; a zero expert's, nothing. With a `post_norm`, each expert's output is
+    normalised before its
     weight.
     """
     kw = with_defaults(kwargs)
@@ -380,8 +381,9 @@ def dense_oracle(args, kwargs):
         y = torch.zeros_like(x[t])
         for k, e in enumerate(chosen):
             weights[(t, e)] = w[k]
-            if e >= gate_up.shape[0]:  # an identity expert
-                y = y + w[k] * x[t]
+            if e >= gate_up.shape[0]:  # an identity expert (a zero expert adds nothing)
+                if kw["identity_experts"]:
+                    y = y + w[k] * x[t]
                 continue
             xin = x[t] * w[k] if kw["weight_on_input"] else x[t]  # Llama4: the weight scales the input
             h = xin @ gate_up[e] if spec.transposed else gate_up[e] @ xin
@@ -447,7 +449,8 @@ def check_learned_against_the_dense_oracle(args, kw, name):
     got_weights = weights_by_expert(w, ids)
     assert got_weights.keys() == ref_weights.keys()
     probe = torch.randn_like(out)
-    w_probe = routing_probe(out.shape[0], args[4].shape[0] + with_defaults(kw)["identity_experts"])
+    w_probe = routing_probe(out.shape[0], args[4].shape[0] + with_defaults(kw)["identity_experts"]
+                            + with_defaults(kw)["zero_experts"])
     loss = (out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in got_weights.items())
     ref_loss = (ref_out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in ref_weights.items())
     present = [args[i] for i in DIFFERENTIABLE if args[i] is not None] + [kw[name]]

@@ -1,6 +1,8 @@
-"""`mok::fused_moe` with identity experts (`identity_experts`, LongCat-Flash's zero-computation experts), CPU kernels.
+"""`mok::fused_moe` with identity experts (`identity_experts`, LongCat-Flash's zero-computation experts) and zero
+experts (`zero_experts`, Zaya's skip expert), CPU kernels.
 
-The router ranks E + Z choices; a pair sent to one of the last Z runs no expert and adds the token itself, weighted.
+The router ranks E + Z choices; a pair sent to one of the last Z runs no expert and adds the token itself, weighted
+(identity experts) or nothing (zero experts).
 Checked in fp64 against the dense oracle of moe_cases.py (forward, routing weights, every gradient), with gradcheck,
 the reference's hand-written backward against autograd through its forward, in bf16 against the reference (LongCat's
 rounding: the experts' sum and the identity term each rounded, then added), where every pair is an identity pair,
@@ -22,10 +24,10 @@ from .moe_cases import (CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, gradcheck_o
 fused_moe = torch.ops.mok.fused_moe.default
 
 
-def _with_identity(name, Z=3, **routing):
+def _with_identity(name, Z=3, kind="identity", **routing):
     case = CASES_BY_NAME[name]
-    return dataclasses.replace(case, name=f"{name}_identity{Z}",
-                               routing=dataclasses.replace(case.routing, identity_experts=Z, **routing))
+    return dataclasses.replace(case, name=f"{name}_{kind}{Z}",
+                               routing=dataclasses.replace(case.routing, **{f"{kind}_experts": Z}, **routing))
 
 
 # LongCat-Flash's router (fp32 softmax, a selection bias, scaled), and the op's other routings and options with
@@ -39,6 +41,17 @@ IDENTITY_CASES = [
     _with_identity("topk_sigmoid_renorm_scale_wdtype", Z=2),
     dataclasses.replace(_with_identity("softmax_topk"), name="softmax_topk_identity3_expert_bias", expert_bias=True),
 ]
+# Zaya's router (a softmax over E + 1 choices, a selection bias on the probabilities, no renormalisation) and others
+# with zero experts, expert biases included (a zero pair adds no bias either).
+ZERO_CASES = [
+    _with_identity("softmax_topk_logits", Z=2, kind="zero"),
+    _with_identity("softmax_topk_selection_bias_clamp_min", Z=1, kind="zero"),
+    _with_identity("topk_softmax", Z=2, kind="zero"),
+    _with_identity("sigmoid_4_groups_keep_2", Z=4, kind="zero"),
+    dataclasses.replace(_with_identity("softmax_topk", kind="zero"), name="softmax_topk_zero3_expert_bias",
+                        expert_bias=True),
+]
+BOTH_CASES = IDENTITY_CASES + ZERO_CASES
 
 
 def _args(case, T=8, dtype=torch.float64, seed=0, requires_grad=False):
@@ -46,11 +59,11 @@ def _args(case, T=8, dtype=torch.float64, seed=0, requires_grad=False):
 
 
 def _both_kinds(ids, E):
-    """The routing sends some pairs to experts and some to identity experts (else a test proves less)."""
+    """The routing sends some pairs to experts and some past them (else a test proves less)."""
     assert (ids >= E).any() and (ids < E).any(), ids
 
 
-@pytest.mark.parametrize("case", IDENTITY_CASES, ids=str)
+@pytest.mark.parametrize("case", BOTH_CASES, ids=str)
 def test_identity_experts_match_the_dense_oracle(case):
     """fp64: the output, the weights (by choice) and every gradient equal the oracle's."""
     args, kw = _args(case, requires_grad=True)
@@ -60,7 +73,7 @@ def test_identity_experts_match_the_dense_oracle(case):
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
     got_weights = weights_by_expert(w, ids)
     assert got_weights.keys() == ref_weights.keys()
-    R = case.num_experts + kw["identity_experts"]
+    R = case.num_experts + kw.get("identity_experts", 0) + kw.get("zero_experts", 0)
     probe, w_probe = torch.randn_like(out), routing_probe(out.shape[0], R)
     loss = (out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in got_weights.items())
     ref_loss = (ref_out * probe).sum() + sum(v * w_probe[t, e] for (t, e), v in ref_weights.items())
@@ -69,12 +82,12 @@ def test_identity_experts_match_the_dense_oracle(case):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("case", IDENTITY_CASES[::3], ids=str)
+@pytest.mark.parametrize("case", IDENTITY_CASES[::3] + ZERO_CASES[::2], ids=str)
 def test_identity_experts_gradcheck(case):
     assert gradcheck_op(*_args(case, T=5, requires_grad=True))
 
 
-@pytest.mark.parametrize("case", IDENTITY_CASES, ids=str)
+@pytest.mark.parametrize("case", BOTH_CASES, ids=str)
 def test_reference_backward_is_autograd_through_the_reference_forward(case):
     """The reference's hand-written backward (the oracle of the kernels) against autograd through its forward."""
     args, kw = _args(case, requires_grad=True)
@@ -89,7 +102,7 @@ def test_reference_backward_is_autograd_through_the_reference_forward(case):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", IDENTITY_CASES[:3], ids=str)
+@pytest.mark.parametrize("case", IDENTITY_CASES[:3] + ZERO_CASES[:2], ids=str)
 def test_identity_experts_bf16_match_the_reference(case):
     """bf16 on the C++ kernel: the output within one rounding of the reference (which rounds as LongCat does), the
     routing identical, the gradients within bf16 rounding of the reference backward's."""
@@ -127,6 +140,27 @@ def test_every_pair_an_identity_pair():
     torch.testing.assert_close(d_x, torch.autograd.grad(ref_out.sum(), args[0])[0], rtol=1e-10, atol=1e-12)
 
 
+def test_every_pair_a_zero_pair():
+    """A selection bias that sends every pair to a zero expert: the output is 0, no expert weight or x gets a
+    gradient from it, and the router's gradient comes from the routing weights' own gradient alone."""
+    case = ZERO_CASES[3]  # sigmoid scores in 4 groups of 2, a selection bias: the zero experts fill 2 groups
+    args, kw = _args(case, requires_grad=True)
+    E = case.num_experts
+    bias = args[3].detach().clone()
+    bias[E:] += 100.0
+    args = (*args[:3], bias, *args[4:])
+    out, w, ids = fused_moe(*args, **kw)
+    assert (ids >= E).all() and not out.any()
+    d_x, d_router, d_gu, d_down = torch.autograd.grad(out.sum(), (args[0], args[1], args[4], args[6]),
+                                                      retain_graph=True)
+    assert not d_x.any() and not d_router.any() and not d_gu.any() and not d_down.any()
+    gw = torch.randn_like(w)
+    d_router = torch.autograd.grad((w * gw).sum(), args[1])[0]
+    _, ref_weights = dense_oracle(args, kw)
+    ref = sum(v * gw[t, list(ids[t]).index(e)] for (t, e), v in ref_weights.items())
+    torch.testing.assert_close(d_router, torch.autograd.grad(ref, args[1])[0], rtol=1e-10, atol=1e-12)
+
+
 def test_given_ids_may_name_identity_experts():
     """Given expert ids (hash routing) that name identity experts too, a row naming one twice: as the dense oracle,
     forward and gradients."""
@@ -160,10 +194,11 @@ def test_without_identity_choices_nothing_changes():
         assert torch.equal(a, b)
 
 
-def test_identity_experts_compile_with_dynamic_tokens():
-    """The fake kernels take identity experts: compiled (aot_eager, dynamic token count), forward and backward as
-    eager."""
-    args, kw = _args(IDENTITY_CASES[0], T=7, requires_grad=True)
+@pytest.mark.parametrize("case", [IDENTITY_CASES[0], ZERO_CASES[1]], ids=str)
+def test_identity_experts_compile_with_dynamic_tokens(case):
+    """The fake kernels take identity and zero experts: compiled (aot_eager, dynamic token count), forward and
+    backward as eager."""
+    args, kw = _args(case, T=7, requires_grad=True)
 
     def f(x, *weights):
         return fused_moe(x, *weights, **kw)[0]
@@ -177,20 +212,22 @@ def test_identity_experts_compile_with_dynamic_tokens():
                                    rtol=1e-12, atol=1e-14)
 
 
-def test_identity_experts_at_zero_tokens():
-    args, kw = _args(IDENTITY_CASES[0], T=0, requires_grad=True)
+@pytest.mark.parametrize("case", [IDENTITY_CASES[0], ZERO_CASES[1]], ids=str)
+def test_identity_experts_at_zero_tokens(case):
+    args, kw = _args(case, T=0, requires_grad=True)
     out, w, ids = fused_moe(*args, **kw)
     assert out.shape == (0, 12) and w.shape == ids.shape == (0, 2)
     present = [args[i] for i in DIFFERENTIABLE if args[i] is not None]
     assert all(not g.any() for g in torch.autograd.grad(out.sum(), present))
 
 
+@pytest.mark.parametrize("case", [IDENTITY_CASES[0], ZERO_CASES[4]], ids=str)
 @pytest.mark.parametrize("form", EXPERTS_FORMS)
-def test_identity_experts_in_the_export_decomposition(form):
-    args, kw = _args(IDENTITY_CASES[0])
+def test_identity_experts_in_the_export_decomposition(form, case):
+    args, kw = _args(case)
     out, w, ids = fused_moe(*args, **kw)
     d_out, d_w, d_ids = fused_moe_decomposed(*args, experts_form=form, **kw)
-    _both_kinds(ids, IDENTITY_CASES[0].num_experts)
+    _both_kinds(ids, case.num_experts)
     assert torch.equal(d_ids, ids)
     torch.testing.assert_close(d_w, w, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(d_out, out, rtol=1e-10, atol=1e-12)
@@ -206,5 +243,19 @@ def test_identity_experts_in_the_export_decomposition(form):
 ])
 def test_bad_identity_experts_are_named(change, match):
     args, kw = _args(IDENTITY_CASES[2])
+    with pytest.raises(ValueError, match=match):
+        fused_moe(*args, **{**kw, **change})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"zero_experts": 1}, r"router weight must be \[5, 12\] \(4 experts \+ 1 zero experts\)"),
+    ({"zero_experts": -1}, "zero_experts must be >= 0"),
+    ({"identity_experts": 3}, "identity_experts and zero_experts cannot be combined"),
+    ({"weight_on_input": True}, "zero_experts is not supported with weight_on_input"),
+    ({"expert_scale": torch.ones(4, dtype=torch.float64)}, "expert_scale is not supported with zero_experts"),
+    ({"top_k": 7}, r"top_k=7 must be between 1 and the number of experts E=6 \(4 experts \+ 2 zero experts\)"),
+])
+def test_bad_zero_experts_are_named(change, match):
+    args, kw = _args(ZERO_CASES[2])
     with pytest.raises(ValueError, match=match):
         fused_moe(*args, **{**kw, **change})

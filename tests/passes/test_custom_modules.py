@@ -577,6 +577,33 @@ def test_residual_sum_stays_outside_the_block():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+class _ScaledResidual(torch.nn.Module):
+    """Zaya's residual scaling after its MoE block: ``(moe(h) + b) * s + h`` with b and s [H] parameters."""
+
+    def __init__(self, block, hidden=32):
+        super().__init__()
+        self.block = block
+        self.bias = torch.nn.Parameter(torch.randn(hidden) * 0.1)
+        self.scale = torch.nn.Parameter(1 + torch.randn(hidden) * 0.1)
+
+    def forward(self, h):
+        return (self.block(h) + self.bias) * self.scale + h
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "structural"])
+def test_vector_bias_and_scale_after_the_block_stay_outside(validate):
+    """A bias and a scale of [H] applied to the experts' sum are past the block (the combine multiplies by routing
+    weights, never by a vector the block takes as it is): fused without them (before, the region took them in and
+    the experts' match rejected the block)."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(_ScaledResidual(models.StackedGatherMoE()), torch.randn(10, 32),
+                                       validate=validate)
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    params = [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("l_self_parameters_")]
+    assert len(params) == 2 and all(n.users for n in params), gm.code  # still read, outside the op
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["keys", "pools"])
 def test_sparse_attention_top_k_before_an_moe_is_not_a_block(pooled):
     """The attention's top-k indices reach the MoE's grouped GEMMs through the attention's matmuls and the residual:

@@ -551,15 +551,15 @@ def _longcat_variant(identity_term):
     return Variant
 
 
-_DISPROVED = "taken as 4 identity experts (LongCat-Flash's zero-computation experts), the probe disproves it"
+_DISPROVED = ("taken as 4 identity experts (LongCat-Flash's zero-computation experts), then as 4 zero experts "
+              "(Zaya's skip expert), the probe disproves both")
 
 
 @pytest.mark.parametrize("term, reason", [
-    (lambda x, w, mask: None, _DISPROVED),  # MoE++'s zero experts: output 0
     (lambda x, w, mask: x * w.sum(dim=-1, keepdim=True), _DISPROVED),  # every weight summed, not the identity pairs'
     (lambda x, w, mask: x * (2 * w.masked_fill(~mask, 0.0).sum(dim=-1, keepdim=True)),  # twice the token
      "routing weights are not multiplied with the expert output"),
-], ids=["zero_output", "all_weights", "twice"])
+], ids=["all_weights", "twice"])
 def test_longcat_flash_near_miss_identity_terms_not_fused(term, reason):
     """Near misses of LongCat-Flash's zero-computation experts: the router has more outputs than there are experts,
     but what a pair sent past the experts adds is not the token times its weight. Left as they are, with the
@@ -580,8 +580,18 @@ def test_longcat_flash_variant_with_hf_identity_term_fused():
     block_cls = _longcat_variant(lambda x, w, mask: x * w.masked_fill(~mask, 0.0).sum(dim=-1, keepdim=True))
     _, config = _longcat_block(4)
     block, x, gm, example, routing, eager = _fused_block(block_cls, config, torch.float32)
-    assert routing.identity_experts == 4
+    assert (routing.identity_experts, routing.zero_experts) == (4, 0)
     torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_longcat_flash_variant_with_zero_experts_fused(dtype):
+    """The near misses' module adding nothing for the pairs past the experts (MoE++'s zero experts): the probe
+    disproves identity experts and proves zero experts; fused with `zero_experts=4`, the output eager's."""
+    _, config = _longcat_block(4)
+    block, x, gm, example, routing, eager = _fused_block(_longcat_variant(lambda x, w, mask: None), config, dtype)
+    assert (routing.identity_experts, routing.zero_experts) == (0, 4)
+    torch.testing.assert_close(_output(run(gm, example)), eager, **TOL[dtype])
 
 
 def _phimoe_block(dtype=torch.float32, impl="grouped_mm", sparsemixer=None, train=False, dynamic=False):
