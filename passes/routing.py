@@ -213,8 +213,8 @@ def _check_detached(region: Region, weights: fx.Node) -> None:
         if n in detached:
             raise NoMatch(f"the routing weights are computed from a detached value ({n.name}): they carry no "
                           "gradient to the router, the op's do")
-        for a in n.all_input_nodes:  # not through the ids (integers: no gradient), only through what is chosen
-            if a not in seen and a in region.nodes and a is not region.ids and a is not region.anchor:
+        for a in n.all_input_nodes:  # not through the ids (integers: no gradient); through the top-k's values
+            if a not in seen and a in region.nodes and a is not region.ids:
                 seen.add(a)
                 todo.append(a)
 

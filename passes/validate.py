@@ -305,7 +305,10 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             except Exception as err:  # a region that cannot even run on fresh inputs is not proven
                 return f"probe failed to run: {type(err).__name__}: {err}"
             got = env[region.out]
-            got_ids = env[region.ids].reshape(ids.shape)  # [B, S, K] where the logits are [B, S, E] (Zaya's)
+            got_ids = env[region.ids]
+            if got_ids.numel() != ids.numel():
+                return f"probe: the graph chooses {tuple(got_ids.shape)} expert ids, the op {tuple(ids.shape)}"
+            got_ids = got_ids.reshape(ids.shape)  # [B, S, K] where the logits are [B, S, E] (Zaya's)
             if not torch.equal(got_ids.sort(-1).values, ids.sort(-1).values):
                 return "probe: the op selects different experts than the graph"
             if "ids" in exports and not torch.equal(env[exports["ids"]], ids):

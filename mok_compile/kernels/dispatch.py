@@ -256,9 +256,8 @@ def _combine_kernel(y_ptr, pos_ptr, w_ptr, extra_ptr, out_ptr, T, H, stride_y, s
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, bias_ptr=None, ids_ptr=None, stride_be=None,
                     HAS_BIAS: tl.constexpr = False, ident_ptr=None, iw_ptr=None, stride_ident=0, num_experts=0,
                     IDENTITY: tl.constexpr = False, ROUND_IDENTITY: tl.constexpr = False, ZERO: tl.constexpr = False,
-                    norm_r_ptr=None,
-                    norm_g_ptr=None, stride_ge=0, NORM: tl.constexpr = False, NORM_SCALED: tl.constexpr = False,
-                    NORM_PER_EXPERT: tl.constexpr = False):
+                    norm_r_ptr=None, norm_g_ptr=None, stride_ge=0, NORM: tl.constexpr = False,
+                    NORM_SCALED: tl.constexpr = False, NORM_PER_EXPERT: tl.constexpr = False):
     """HAS_BIAS: y rows are expert outputs without their bias; add bias[ids[t, k]] (rounded, as the
     GEMM epilogue would) before weighting.
     IDENTITY: pairs whose id is num_experts or more (identity experts) have no y row; their weights (`iw_ptr`) are

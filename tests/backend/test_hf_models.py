@@ -234,6 +234,36 @@ def test_openai_privacy_filter_trains_fused():
         assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
 
 
+def test_diffusion_gemma_encoder_trains_fused():
+    """DiffusionGemma's encoder text model (transformers >= 5.25): Gemma 4's router (on its own normalisation, a
+    per-expert weight scale) and experts in each layer. Every layer fused; its output and every parameter gradient
+    (the scale's included) as eager's (fp32)."""
+    modeling = pytest.importorskip("transformers.models.diffusion_gemma.modeling_diffusion_gemma")
+    config = modeling.DiffusionGemmaConfig().text_config
+    for name, value in dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                            top_k_experts=2, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, vocab_size=128, hidden_size_per_layer_input=0, sliding_window=32).items():
+        setattr(config, name, value)
+    model = init_moe_weights_(modeling.DiffusionGemmaEncoderTextModel(config), std=0.1)
+    model.set_experts_implementation("grouped_mm")
+    ids = token_ids()
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(input_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_out, want_grads = step(model)
+    got_out, got_grads = step(torch.compile(model, backend="mok", options=AOT))
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])
+    assert_close_rel(got_out, want_out, TOL[torch.float32]["logits"], "output")
+    assert sum(n.endswith("per_expert_scale") for n in got_grads) == NUM_LAYERS
+    assert got_grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_muse_spark_trains_fused(dtype):
     """Muse Spark's text model (transformers >= 5.25; it has no CausalLM): each layer's router scales its logits and

@@ -577,6 +577,23 @@ def test_residual_sum_stays_outside_the_block():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
+class _DetachedTopKMoE(models.StackedGatherMoE):
+    """The top-k of detached logits, its values' softmax the weights: eager gives the router no gradient."""
+
+    def route(self, x):
+        values, ids = torch.topk(F.linear(x, self.router).detach(), self.top_k, dim=-1)
+        return torch.softmax(values, dim=-1), ids.reshape(-1)
+
+
+def test_weights_from_a_detached_top_k_not_fused():
+    """Near miss: a detach before the top-k whose values become the weights (the op's weights would carry the
+    router's gradient, eager's carry none): left as it is, with the reason."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(_DetachedTopKMoE(), torch.randn(10, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "computed from a detached value" in report.rejected[0].reason, report.rejected[0].reason
+
+
 class _ScaledResidual(torch.nn.Module):
     """Zaya's residual scaling after its MoE block: ``(moe(h) + b) * s + h`` with b and s [H] parameters."""
 

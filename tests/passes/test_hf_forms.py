@@ -444,6 +444,7 @@ MORE_TYPES = [
     ("qwen4_exp", "qwen4_exp", "Qwen4ExpTextSparseMoeBlock", ("softmax_topk", True), {}),
     ("qwen3_omni_moe", "qwen3_omni_moe", "Qwen3OmniMoeThinkerTextSparseMoeBlock", ("softmax_topk", True), {}),
     ("ernie4_5_vl_moe", "ernie4_5_vl_moe", "Ernie4_5_VLMoeMoeBlock", ("softmax_topk", True), {}),  # text tokens
+    ("dots3_note", "dots3_note", "Dots3NoteTextMoE", ("sigmoid_grouped_topk", True), {}),  # its text model's
 ]
 _CUT = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
             n_routed_experts=8, num_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
@@ -473,6 +474,21 @@ def test_more_hf_types_block_fused(model_type, module, block, want, kwargs):
     block_cls = functools.partial(getattr(modeling, block), **kwargs)
     _, x, gm, example, routing, eager = _fused_block(block_cls, _text_config(model_type), torch.float32)
     assert (routing.routing, routing.renormalize) == want
+    torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[torch.float32])
+
+
+def test_dots3_note_vision_block_fused():
+    """dots3_note's vision tower's MoE (its per-layer config cut to 8 experts; an fp32 sigmoid router, a selection
+    bias, renormalised and scaled): fused, its output equal to the block's own."""
+    modeling = pytest.importorskip("transformers.models.dots3_note.modeling_dots3_note")
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("dots3_note").vision_config
+    for name, value in dict(hidden_size=64, num_local_experts=8, moe_intermediate_size=32).items():
+        setattr(config, name, value)
+    _, x, gm, example, routing, eager = _fused_block(functools.partial(modeling.Dots3NoteVisionMoE, layer_idx=0),
+                                                     config, torch.float32)
+    assert (routing.routing, routing.renormalize, routing.router_fp32) == ("sigmoid_grouped_topk", True, False)
     torch.testing.assert_close(_output(run(gm, example)), _output(eager), **TOL[torch.float32])
 
 
