@@ -155,7 +155,7 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
             chunked = True
         elif name == "add" and any(a in bias_side for a in n.all_input_nodes):
             continue  # bias of the gate/up projection
-        elif name in LAYOUT_OPS_NAMES:
+        elif name in LAYOUT_OPS_NAMES or _row_regrouping(n):
             continue
         elif is_id_mask_fill(n):
             continue  # expert-parallel sentinel mask (transformers 5.17); the probe checks it changes nothing
@@ -198,6 +198,18 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
         act = table[key]
     act = _with_precision(act, between, tensor_meta(first[0]))
     return gated, interleaved, act, alpha, limit, between, {k: v for k, v in runtime.items() if v is not None}
+
+
+def _row_regrouping(n: fx.Node) -> bool:
+    """A `cat` or `split` of rows (dim 0): JetMoE's experts run on the expert-sorted rows split by each expert's
+    count, their outputs concatenated again, activated, and split the same way for the down projection (the probe
+    checks that the rows meet their own expert's weights)."""
+    name = op_name(n)
+    if name not in ("cat", "split"):
+        return False
+    dim = arg(n, 1 if name == "cat" else 2, "dim", 0)
+    rows = tensor_meta(n if name == "cat" else n.args[0])
+    return rows is not None and rows.dim() == 2 and dim in (0, -2)
 
 
 def _with_precision(act: str, between, h_meta) -> str:

@@ -9,7 +9,9 @@ between them, the experts arrive alone::
 transformers' all-to-all expert parallelism does this (it reads the all-to-all's split sizes back to the
 host), and so does any host read between a router and its experts. A graph with no routing top-k but with
 `grouped_mm` expert GEMMs gets one report per experts module (form "experts_alone"), so `explain` and the
-log say why nothing was fused instead of saying nothing.
+log say why nothing was fused instead of saying nothing. So do per-expert GEMMs ``linear(rows.split(counts)[e], W[e])``
+over slices of a stacked weight (JetMoE's loop over its rows split by each expert's count): there the break is the counts' `.tolist()`,
+which Dynamo keeps in the graph with ``torch._dynamo.config.capture_scalar_outputs = True``, and the reason says so.
 
 Hash routing has no top-k either: DeepSeek-V4's first layers look their experts up in a table by token id,
 
@@ -28,12 +30,15 @@ import re
 import torch.fx as fx
 
 from .op_names import module_path, op_name
-from .region import is_table_lookup, looked_up_ids
+from .region import is_split_expert_gemm, is_table_lookup, looked_up_ids
 
 FORM = "experts_alone"
 REASON = ("expert GEMMs (grouped_mm) without a router in this graph: a graph break between the routing and the "
           "experts (such as the host read of transformers' all-to-all expert parallelism) split the block, and "
           "the op fuses a router with its experts")
+SLICES_REASON = ("per-expert GEMMs over slices W[e] of stacked expert weights without a router in this graph: a "
+                 "host read of the experts' token counts (`.tolist()`, as JetMoE's split sizes) split the block; set "
+                 "torch._dynamo.config.capture_scalar_outputs = True to keep it in one graph")
 HASH_FORM = "hash_routing"
 HASH_REASON = ("expert ids are looked up in a table by token id (hash routing, as in DeepSeek-V4's first layers), "
                "and no router's scores are gathered at them in this graph: the op takes given ids with the router "
@@ -80,13 +85,16 @@ def find_lone_experts(gm: fx.GraphModule, hash_routed_only: bool = False, anchor
     from .fuse_moe import BlockReport
 
     hashed = _hash_routed(gm, anchored)
-    modules: dict = {}  # module path (or None) -> (report name, every GEMM of it hash routed)
+    modules: dict = {}  # module path (or None) -> (report name, its reason)
     for n in gm.graph.nodes:
         op = op_name(n)
         # batched_mm's experts are bmm's of gathered weights: counted only where a table lookup feeds them
         if n in hashed and op in ("grouped_mm", "bmm") or op == "grouped_mm" and not hash_routed_only:
             path = module_path(n)
-            name, all_hashed = modules.get(path, (path or f"expert GEMM at {_where(n)}", True))
-            modules[path] = (name, all_hashed and n in hashed)
-    return [BlockReport(name=name, fused=False, form=HASH_FORM if all_hashed else FORM,
-                        reason=HASH_REASON if all_hashed else REASON) for name, all_hashed in modules.values()]
+            name, reason = modules.get(path, (path or f"expert GEMM at {_where(n)}", HASH_REASON))
+            modules[path] = (name, reason if n in hashed else REASON)
+        elif not hash_routed_only and is_split_expert_gemm(n):
+            path = module_path(n)
+            modules.setdefault(path, (path or f"expert GEMM at {_where(n)}", SLICES_REASON))
+    return [BlockReport(name=name, fused=False, form=HASH_FORM if reason is HASH_REASON else FORM, reason=reason)
+            for name, reason in modules.values()]

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from .dataflow import Dataflow
 from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, is_runtime_float,
@@ -82,6 +82,7 @@ KNOWN_OPS = frozenset({
     "tanh",  # Inkling2's softcapped SwiGLU (`experts.activation_between` places it)
     "abs",  # the sparsemixer's masks (`sparsemixer.match_sparsemixer` places it)
     "new_ones",  # Ergo's unit weights of its one-route rows
+    "item",  # JetMoE's per-expert counts as split sizes (`_is_source`: computed in the block)
     "detach",  # only what chooses may be detached (Zaya's ranked probabilities; `routing.match_router` checks)
 }) | NORM_OPS
 
@@ -173,8 +174,19 @@ def _is_size(value) -> bool:
 
 
 def _is_source(n: fx.Node) -> bool:
-    """Values a region takes from outside as they are: weights, and sizes (the probe uses their hints)."""
-    return n.op in ("placeholder", "get_attr") or (n.op != "output" and _is_size(meta_value(n)))
+    """Values a region takes from outside as they are: weights, and sizes (the probe uses their hints). A size read
+    off data (`.item()`, `.tolist()`: JetMoE's per-expert counts) has no hint: it is computed in the region."""
+    if n.op in ("placeholder", "get_attr"):
+        return True
+    value = meta_value(n)
+    return n.op != "output" and _is_size(value) and not _data_dependent(value)
+
+
+def _data_dependent(value) -> bool:
+    """A size with an unbacked symbol (one Dynamo made for a value read off a tensor's data)."""
+    if isinstance(value, (list, tuple)):
+        return any(_data_dependent(v) for v in value)
+    return isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat)) and bool(free_unbacked_symbols(value))
 
 
 def topk_k(node: fx.Node) -> int | None:
@@ -202,6 +214,8 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
         if name in MATMUL_OPS and any((m := tensor_meta(a)) is not None and m.dim() == 3 and _is_source(a)
                                       for a in n.all_input_nodes):
             return True  # a batched matmul over stacked expert weights
+        if is_split_expert_gemm(n, same_expert=False):
+            return True  # rows grouped by the ids, one expert's part through its weight (JetMoE's split loop)
         if n is not ids and _is_size(meta_value(n)):
             continue  # a size of a value derived from the ids (e.g. Dynamo's check of bincount's length), not ids
         if name in ("grouped_mm", "one_hot", "eq"):
@@ -215,6 +229,28 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
             continue
         work.extend(flow.readers(n))
     return False
+
+
+def _expert_slice(n) -> int | None:
+    """e for ``W[e]``: one expert's 2-D weight of a stacked 3-D float graph input, at a constant index; else None."""
+    if not isinstance(n, fx.Node) or op_name(n) not in ("getitem", "select") or not isinstance(n.args[0], fx.Node):
+        return None
+    base = tensor_meta(n.args[0])
+    index = n.args[1] if op_name(n) == "getitem" else (n.args[2] if n.args[1] == 0 else None)
+    ok = (_is_source(n.args[0]) and base is not None and base.dim() == 3 and base.is_floating_point()
+          and isinstance(index, int) and not isinstance(index, bool))
+    return index if ok else None
+
+
+def is_split_expert_gemm(n: fx.Node, same_expert: bool = True) -> bool:
+    """``linear(rows.split(sizes)[e], W[e])``: expert e's GEMM on the e-th part of rows split by the experts' token
+    counts (JetMoE's grouped GEMM written as a loop). Not `same_expert`: a part through any one expert's weight
+    (which part meets which weight is then for the probe to prove)."""
+    if op_name(n) != "linear" or len(n.args) < 2:
+        return False
+    e, part = _expert_slice(n.args[1]), n.args[0]
+    return (e is not None and op_name(part) == "getitem" and (part.args[1] == e or not same_expert)
+            and op_name(part.args[0]) == "split")
 
 
 def is_table_lookup(node: fx.Node) -> bool:

@@ -234,6 +234,28 @@ def test_openai_privacy_filter_trains_fused():
         assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
 
 
+def test_jetmoe_trains_fused_with_scalar_outputs_captured():
+    """JetMoE: its MoE block reads each expert's token count back to the host (`.tolist()`) to split the sorted
+    rows. With torch._dynamo.config.capture_scalar_outputs = True the block stays in one graph: every layer's MoE
+    fused, its attention experts (MoA: the router's experts project heads, not an MLP) reported and left as they
+    are; logits, loss and every gradient as eager's (fp32)."""
+    modeling = pytest.importorskip("transformers.models.jetmoe.modeling_jetmoe")
+    config = modeling.JetMoeConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                   kv_channels=16, num_key_value_heads=4, num_hidden_layers=NUM_LAYERS, vocab_size=128,
+                                   max_position_embeddings=256)
+    model = init_moe_weights_(modeling.JetMoeForCausalLM(config), std=0.1)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        want_logits, want_loss, want_grads = forward(model, token_ids(), train=True)
+        got_logits, got_loss, got_grads = forward(model, token_ids(), backend="mok", train=True, options=AOT)
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert counters["mok"]["rejected_moe"] == NUM_LAYERS, dict(counters["mok"])  # the attention experts
+    assert_close_rel(got_logits, want_logits, TOL[torch.float32]["logits"], "logits")
+    assert_close_rel(got_loss, want_loss, TOL[torch.float32]["logits"], "loss")
+    assert got_grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+
+
 def test_diffusion_gemma_encoder_trains_fused():
     """DiffusionGemma's encoder text model (transformers >= 5.25): Gemma 4's router (on its own normalisation, a
     per-expert weight scale) and experts in each layer. Every layer fused; its output and every parameter gradient
