@@ -9,9 +9,10 @@ between them, the experts arrive alone::
 transformers' all-to-all expert parallelism does this (it reads the all-to-all's split sizes back to the
 host), and so does any host read between a router and its experts. A graph with no routing top-k but with
 `grouped_mm` expert GEMMs gets one report per experts module (form "experts_alone"), so `explain` and the
-log say why nothing was fused instead of saying nothing. So do per-expert GEMMs ``linear(rows.split(counts)[e], W[e])``
-over slices of a stacked weight (JetMoE's loop over its rows split by each expert's count): there the break is the counts' `.tolist()`,
-which Dynamo keeps in the graph with ``torch._dynamo.config.capture_scalar_outputs = True``, and the reason says so.
+log say why nothing was fused instead of saying nothing. So do per-expert GEMMs
+``linear(rows.split(counts)[e], W[e])`` over slices of a stacked weight (JetMoE's loop over its rows split by each
+expert's count): there the break is the counts' `.tolist()`, which Dynamo keeps in the graph with
+``torch._dynamo.config.capture_scalar_outputs = True``, and the reason says so.
 
 Hash routing has no top-k either: DeepSeek-V4's first layers look their experts up in a table by token id,
 
