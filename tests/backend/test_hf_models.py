@@ -209,19 +209,23 @@ def test_openai_privacy_filter_trains_fused():
     """OpenAI's privacy filter (an encoder; routing weights divided by top_k, the experts' sum multiplied by it after
     the block): every layer fused under backend="mok", its output and every parameter gradient as eager's (fp32)."""
     modeling = pytest.importorskip("transformers.models.openai_privacy_filter.modeling_openai_privacy_filter")
-    from mok_compile.hf_blocks import init_moe_weights_
-
     config = modeling.OpenAIPrivacyFilterConfig(
         hidden_size=64, intermediate_size=32, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, vocab_size=128,
         pad_token_id=0, bos_token_id=1, eos_token_id=1)
-    model = init_moe_weights_(modeling.OpenAIPrivacyFilterModel(config), std=0.1)
+    grads = _check_encoder_step(init_moe_weights_(modeling.OpenAIPrivacyFilterModel(config), std=0.1))
+    assert any("experts" in n for n in grads)
+
+
+def _check_encoder_step(model):
+    """An encoder (grouped_mm experts) under backend="mok": every layer fused, its output and every parameter
+    gradient (of the output's mean square) as eager's (fp32). Returns the gradients."""
     model.set_experts_implementation("grouped_mm")
     ids = token_ids()
 
     def step(fn):
         model.zero_grad(set_to_none=True)
-        out = fn(ids).last_hidden_state
+        out = fn(input_ids=ids).last_hidden_state
         out.square().mean().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -229,9 +233,10 @@ def test_openai_privacy_filter_trains_fused():
     got_out, got_grads = step(torch.compile(model, backend="mok", options=AOT))
     assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])
     assert_close_rel(got_out, want_out, TOL[torch.float32]["logits"], "output")
-    assert got_grads.keys() == want_grads.keys() and any("experts" in n for n in got_grads)
+    assert got_grads.keys() == want_grads.keys()
     for name, want in want_grads.items():
         assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+    return got_grads
 
 
 def test_jetmoe_trains_fused_with_scalar_outputs_captured():
@@ -266,24 +271,8 @@ def test_diffusion_gemma_encoder_trains_fused():
                             top_k_experts=2, num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=16, vocab_size=128, hidden_size_per_layer_input=0, sliding_window=32).items():
         setattr(config, name, value)
-    model = init_moe_weights_(modeling.DiffusionGemmaEncoderTextModel(config), std=0.1)
-    model.set_experts_implementation("grouped_mm")
-    ids = token_ids()
-
-    def step(fn):
-        model.zero_grad(set_to_none=True)
-        out = fn(input_ids=ids).last_hidden_state
-        out.square().mean().backward()
-        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    want_out, want_grads = step(model)
-    got_out, got_grads = step(torch.compile(model, backend="mok", options=AOT))
-    assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])
-    assert_close_rel(got_out, want_out, TOL[torch.float32]["logits"], "output")
-    assert sum(n.endswith("per_expert_scale") for n in got_grads) == NUM_LAYERS
-    assert got_grads.keys() == want_grads.keys()
-    for name, want in want_grads.items():
-        assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+    grads = _check_encoder_step(init_moe_weights_(modeling.DiffusionGemmaEncoderTextModel(config), std=0.1))
+    assert sum(n.endswith("per_expert_scale") for n in grads) == NUM_LAYERS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -122,15 +122,20 @@ def test_identity_experts_bf16_match_the_reference(case):
         torch.testing.assert_close(g.float(), r.float(), rtol=2e-2, atol=2e-2)
 
 
+def _past_the_experts(case):
+    """The case's arguments (fp64, with gradients) with a selection bias that sends every pair past the experts."""
+    args, kw = _args(case, requires_grad=True)
+    bias = args[3].detach().clone()
+    bias[case.num_experts:] += 100.0
+    return (*args[:3], bias, *args[4:]), kw
+
+
 def test_every_pair_an_identity_pair():
     """A selection bias that sends every pair to an identity expert: out = x * (w summed), exactly as the reference
     rounds it, the expert weights get no gradient and x gets w summed times the output's gradient."""
     case = IDENTITY_CASES[1]
-    args, kw = _args(case, requires_grad=True)
     E = case.num_experts
-    bias = args[3].detach().clone()
-    bias[E:] += 100.0
-    args = (*args[:3], bias, *args[4:])
+    args, kw = _past_the_experts(case)
     out, w, ids = fused_moe(*args, **kw)
     assert (ids >= E).all()
     torch.testing.assert_close(out, args[0] * w.sum(-1, keepdim=True), rtol=1e-12, atol=1e-14)
@@ -144,11 +149,8 @@ def test_every_pair_a_zero_pair():
     """A selection bias that sends every pair to a zero expert: the output is 0, no expert weight or x gets a
     gradient from it, and the router's gradient comes from the routing weights' own gradient alone."""
     case = ZERO_CASES[3]  # sigmoid scores in 4 groups of 2, a selection bias: the zero experts fill 2 groups
-    args, kw = _args(case, requires_grad=True)
     E = case.num_experts
-    bias = args[3].detach().clone()
-    bias[E:] += 100.0
-    args = (*args[:3], bias, *args[4:])
+    args, kw = _past_the_experts(case)
     out, w, ids = fused_moe(*args, **kw)
     assert (ids >= E).all() and not out.any()
     d_x, d_router, d_gu, d_down = torch.autograd.grad(out.sum(), (args[0], args[1], args[4], args[6]),
@@ -233,29 +235,26 @@ def test_identity_experts_in_the_export_decomposition(form, case):
     torch.testing.assert_close(d_out, out, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"identity_experts": 2}, r"router weight must be \[6, 12\] \(4 experts \+ 2 identity experts\)"),
-    ({"identity_experts": 0}, r"router weight must be \[4, 12\], got shape \(7, 12\)"),
-    ({"identity_experts": -1}, "identity_experts must be >= 0"),
-    ({"weight_on_input": True}, "identity_experts is not supported with weight_on_input"),
-    ({"expert_scale": torch.ones(4, dtype=torch.float64)}, "expert_scale is not supported with identity_experts"),
-    ({"top_k": 8}, r"top_k=8 must be between 1 and the number of experts E=7 \(4 experts \+ 3 identity experts\)"),
-])
-def test_bad_identity_experts_are_named(change, match):
-    args, kw = _args(IDENTITY_CASES[2])
-    with pytest.raises(ValueError, match=match):
-        fused_moe(*args, **{**kw, **change})
-
-
-@pytest.mark.parametrize("change, match", [
-    ({"zero_experts": 1}, r"router weight must be \[5, 12\] \(4 experts \+ 1 zero experts\)"),
-    ({"zero_experts": -1}, "zero_experts must be >= 0"),
-    ({"identity_experts": 3}, "identity_experts and zero_experts cannot be combined"),
-    ({"weight_on_input": True}, "zero_experts is not supported with weight_on_input"),
-    ({"expert_scale": torch.ones(4, dtype=torch.float64)}, "expert_scale is not supported with zero_experts"),
-    ({"top_k": 7}, r"top_k=7 must be between 1 and the number of experts E=6 \(4 experts \+ 2 zero experts\)"),
-])
-def test_bad_zero_experts_are_named(change, match):
-    args, kw = _args(ZERO_CASES[2])
+@pytest.mark.parametrize("case, change, match", [
+    (IDENTITY_CASES[2], {"identity_experts": 2},
+     r"router weight must be \[6, 12\] \(4 experts \+ 2 identity experts\)"),
+    (IDENTITY_CASES[2], {"identity_experts": 0}, r"router weight must be \[4, 12\], got shape \(7, 12\)"),
+    (IDENTITY_CASES[2], {"identity_experts": -1}, "identity_experts must be >= 0"),
+    (IDENTITY_CASES[2], {"weight_on_input": True}, "identity_experts is not supported with weight_on_input"),
+    (IDENTITY_CASES[2], {"expert_scale": torch.ones(4, dtype=torch.float64)},
+     "expert_scale is not supported with identity_experts"),
+    (IDENTITY_CASES[2], {"top_k": 8},
+     r"top_k=8 must be between 1 and the number of experts E=7 \(4 experts \+ 3 identity experts\)"),
+    (ZERO_CASES[2], {"zero_experts": 1}, r"router weight must be \[5, 12\] \(4 experts \+ 1 zero experts\)"),
+    (ZERO_CASES[2], {"zero_experts": -1}, "zero_experts must be >= 0"),
+    (ZERO_CASES[2], {"identity_experts": 3}, "identity_experts and zero_experts cannot be combined"),
+    (ZERO_CASES[2], {"weight_on_input": True}, "zero_experts is not supported with weight_on_input"),
+    (ZERO_CASES[2], {"expert_scale": torch.ones(4, dtype=torch.float64)},
+     "expert_scale is not supported with zero_experts"),
+    (ZERO_CASES[2], {"top_k": 7},
+     r"top_k=7 must be between 1 and the number of experts E=6 \(4 experts \+ 2 zero experts\)"),
+], ids=str)
+def test_bad_identity_and_zero_experts_are_named(case, change, match):
+    args, kw = _args(case)
     with pytest.raises(ValueError, match=match):
         fused_moe(*args, **{**kw, **change})
