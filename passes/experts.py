@@ -200,6 +200,9 @@ def activation_between(flow: Dataflow, region_nodes, first: list[fx.Node], last:
     return gated, interleaved, act, alpha, limit, between, {k: v for k, v in runtime.items() if v is not None}
 
 
+SPLIT_LOOP = "split_loop"  # the form of experts looped over split rows (JetMoE's); `fuse_moe` needs the probe for it
+
+
 def _row_regrouping(n: fx.Node) -> bool:
     """A `cat` or `split` of rows (dim 0): JetMoE's experts run on the expert-sorted rows split by each expert's
     count, their outputs concatenated again, activated, and split the same way for the down projection (the probe
@@ -429,7 +432,9 @@ def match_stacked_experts(flow: Dataflow, region: Region, router: RouterMatch, w
         raise NoMatch(f"expert weight shapes {tuple(tensor_meta(gate_up).shape)} / {tuple(tensor_meta(down).shape)} "
                       f"do not fit hidden size {H}")
     expert_path = between | {m1, m2}
-    form = region_form(region)
+    # Rows regrouped between the projections: a loop over the experts' parts of the sorted rows (JetMoE's), whose
+    # pairing of parts and weights only the probe proves.
+    form = SPLIT_LOOP if any(_row_regrouping(n) for n in between) else region_form(region)
     if router.spec.weight_on_input:
         if bias_role:
             raise NoMatch("dense weight-on-input experts have a bias: an unchosen expert (zero input) would still "

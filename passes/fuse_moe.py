@@ -26,7 +26,7 @@ from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defa
 
 from . import eager_fragments, lone_experts
 from .dataflow import Dataflow
-from .experts import ExpertsMatch, Stack, match_experts, region_form
+from .experts import SPLIT_LOOP, ExpertsMatch, Stack, match_experts, region_form
 from .op_names import CAST_OPS, module_path, tensor_meta
 from .region import NoMatch, Region, block_anchors, find_region, strip
 from .rewrite import emit, plan_rewrite
@@ -190,6 +190,9 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
             raise NoMatch(f"the router's {past} outputs past the experts would be identity experts (LongCat-Flash's "
                           "zero-computation experts) or zero experts (Zaya's skip expert), which only the probe proves "
                           "and tells apart; enable validate")
+        if experts.form == SPLIT_LOOP:
+            raise NoMatch("the experts loop over the sorted rows split by their counts: which part meets which "
+                          "expert's weights only the probe proves; enable validate", form=SPLIT_LOOP)
         if len(experts.specs) != 1:
             raise NoMatch(f"{len(experts.specs)} expert layouts fit the weight shapes; enable validate to choose")
         chosen = experts.specs[0]

@@ -49,13 +49,23 @@ def test_jetmoe_block_fused(dtype):
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     block = report.blocks[0]
-    assert (block.num_experts, block.top_k, block.intermediate) == (8, 2, 32)
+    assert (block.num_experts, block.top_k, block.intermediate, block.form) == (8, 2, 32, "split_loop")
     assert (block.routing.routing, block.routing.weights_fp32) == ("topk_softmax", dtype == torch.float32)
     assert block.experts.activation == "silu" and block.experts.gated
     ops = [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     assert not any(op in ("item", "split", "topk") or "assert_scalar" in op for op in ops), gm.code
     assert any(n.op == "placeholder" and n.name.endswith("parameters_bias_") and n.users for n in gm.graph.nodes)
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL[dtype])
+
+
+def test_jetmoe_block_needs_the_probe():
+    """validate=False (structure only) leaves the block as it is: which part of the split rows meets which expert's
+    weights only the probe proves (the near miss below has the structure of the block)."""
+    (graph,), eager = _block()
+    gm, example = graph
+    report = fuse_moe(gm, example, validate=False)
+    assert [b.fused for b in report.blocks] == [False] and "only the probe proves" in report.blocks[0].reason
+    torch.testing.assert_close(run(gm, example)[0], eager, atol=0, rtol=0)
 
 
 def test_jetmoe_split_across_graphs_is_reported():
