@@ -190,6 +190,9 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
             raise NoMatch(f"the router's {past} outputs past the experts would be identity experts (LongCat-Flash's "
                           "zero-computation experts) or zero experts (Zaya's skip expert), which only the probe proves "
                           "and tells apart; enable validate")
+        if tensor_meta(region.logits).dim() > 2:
+            raise NoMatch("the router's logits are computed per token in more dimensions than the experts' [T, H] "
+                          "rows: that their rows meet the experts' tokens only the probe proves; enable validate")
         if experts.form == SPLIT_LOOP:
             raise NoMatch("the experts loop over the sorted rows split by their counts: which part meets which "
                           "expert's weights only the probe proves; enable validate", form=SPLIT_LOOP)

@@ -660,7 +660,8 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
     # what computes them stays in the graph.
     first = search.reasons
     activation = _experts_activation(flow, ids, math.prod(lmeta.shape[:-1]))
-    if activation is None or logits is router_linear and strip(activation, VIEW_OPS) is strip(x, VIEW_OPS):
+    if activation is None or (logits is router_linear and not nd_logits
+                              and strip(activation, VIEW_OPS) is strip(x, VIEW_OPS)):
         raise NoMatch(first[-1] if first else "found no combined [tokens, hidden] output of the experts")
     search.reasons = []
     region = search.around(activation, None)

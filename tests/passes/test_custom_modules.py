@@ -594,6 +594,34 @@ def test_weights_from_a_detached_top_k_not_fused():
     assert "computed from a detached value" in report.rejected[0].reason, report.rejected[0].reason
 
 
+class _BatchRoutedMoE(models.StackedGatherMoE):
+    """Routed on [B, S, H] (logits [B, S, E], as Zaya routes), its experts on the tokens flattened to [B * S, H]."""
+
+    def forward(self, x):
+        B, S, H = x.shape
+        logits = F.linear(x, self.router)
+        values, ids = torch.topk(logits, self.top_k, dim=-1)
+        w = torch.softmax(values, dim=-1).reshape(-1, self.top_k)
+        flat = x.reshape(-1, H)
+        y = self.experts(flat.repeat_interleave(self.top_k, dim=0), ids.reshape(-1))
+        return (y.view(B * S, self.top_k, H) * w.unsqueeze(-1)).sum(dim=1).view(B, S, H)
+
+
+@pytest.mark.parametrize("validate", [True, False], ids=["validate", "structural"])
+def test_logits_of_batched_tokens(validate):
+    """Logits [B, S, E] of a router on [B, S, H], experts on the tokens flattened: fused with the logits the op's
+    router argument viewed as [B * S, E]; on the structure alone it is left as it is (that the flattened logits'
+    rows meet the experts' tokens only the probe proves), with the reason."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(_BatchRoutedMoE(), torch.randn(2, 5, 32), validate=validate)
+    if validate:
+        assert [b.fused for b in report.blocks] == [True] and report.blocks[0].routing.router_is_logits, str(report)
+        torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    else:
+        _assert_untouched(gm, example, report, eager, candidates=1)
+        assert "only the probe proves" in report.rejected[0].reason, report.rejected[0].reason
+
+
 class _ScaledResidual(torch.nn.Module):
     """Zaya's residual scaling after its MoE block: ``(moe(h) + b) * s + h`` with b and s [H] parameters."""
 
