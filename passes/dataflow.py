@@ -54,11 +54,11 @@ class Dataflow:
 
     def backward_slice(self, roots, stop) -> set[fx.Node]:
         """Every node the values of `roots` depend on, not walking past nodes for which `stop(n)` is true."""
-        return _closure(roots, lambda n: () if stop(n) else self.inputs(n))
+        return closure(roots, lambda n: () if stop(n) else self.inputs(n))
 
     def forward_slice(self, roots, within=None) -> set[fx.Node]:
         """Every node that reads (transitively) a value of `roots`, restricted to `within` when given."""
-        return _closure(roots, lambda n: (u for u in self.readers(n) if within is None or u in within))
+        return closure(roots, lambda n: (u for u in self.readers(n) if within is None or u in within))
 
     def first_reached(self, root: fx.Node, found) -> tuple[fx.Node | None, set[fx.Node]]:
         """The first node in graph order that `root` reaches (itself included) for which `found(node)` holds, or
@@ -80,7 +80,7 @@ class Dataflow:
         return sorted(nodes, key=self.order.__getitem__)
 
 
-def _closure(roots, step) -> set[fx.Node]:
+def closure(roots, step) -> set[fx.Node]:
     """`roots` and every node reachable from them through `step(node)` (an iterable of next nodes)."""
     seen: set[fx.Node] = set()
     work = list(roots)

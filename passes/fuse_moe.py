@@ -169,10 +169,11 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
     plan = plan_rewrite(flow, region, exportable, _expert_inputs(experts))
     routing = router.spec
     router_arg, router_bias = router.weight, router.bias
+    nd_logits = tensor_meta(region.logits).dim() > 2  # [B, S, E] logits (Zaya's): the op's are [T, E]
     if plan.router_is_logits:
         routing = replace(routing, router_is_logits=True, router_fp32=False)
         router_arg, router_bias = region.logits, None
-        if tensor_meta(region.logits).dim() > 2:  # [B, S, E] logits (Zaya's): the op's are [T, E]
+        if nd_logits:
             router_arg = Flat(region.logits, (-1, region.E))
     # The routings to prove: outputs past the experts as identity experts (LongCat-Flash), then as zero experts (Zaya).
     variants = [replace(routing, identity_experts=past), replace(routing, zero_experts=past)] if past else [routing]
@@ -190,7 +191,7 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
             raise NoMatch(f"the router's {past} outputs past the experts would be identity experts (LongCat-Flash's "
                           "zero-computation experts) or zero experts (Zaya's skip expert), which only the probe proves "
                           "and tells apart; enable validate")
-        if tensor_meta(region.logits).dim() > 2:
+        if nd_logits:
             raise NoMatch("the router's logits are computed per token in more dimensions than the experts' [T, H] "
                           "rows: that their rows meet the experts' tokens only the probe proves; enable validate")
         if experts.form == SPLIT_LOOP:
@@ -258,7 +259,8 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
         if getattr(anchor, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
         block = BlockReport(name=module_path(anchor) or anchor.name, fused=False, reason="", form="unknown")
-        flow = Dataflow(gm.graph, previous=flow)  # the graph as the blocks before this one left it
+        if report.blocks and report.blocks[-1].fused:  # the graph as the block before this one left it
+            flow = Dataflow(gm.graph, previous=flow)
         try:
             _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite)
         except NoMatch as err:

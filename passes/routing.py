@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import GROUPED_ROUTINGS, SCORE_ROUTINGS, RoutingSpec
 
+from .dataflow import closure
 from .op_names import (CAST_OPS, VIEW_OPS, arg, is_runtime_float, number, op_name,
                        runtime_float_reason, tensor_meta)
 from .region import NoMatch, Region, getitem_users, past_exact_casts, router_weight, shape_kept, strip, topk_k
@@ -207,16 +208,12 @@ def _check_detached(region: Region, weights: fx.Node) -> None:
         n = min(detached - chain, key=lambda d: d.name)
         raise NoMatch(f"the block detaches {n.name} elsewhere than between the router's logits and its top-k: the op "
                       "would give it a gradient")
-    seen, todo = set(), [weights]
-    while todo:
-        n = todo.pop()
-        if n in detached:
-            raise NoMatch(f"the routing weights are computed from a detached value ({n.name}): they carry no "
-                          "gradient to the router, the op's do")
-        for a in n.all_input_nodes:  # not through the ids (integers: no gradient); through the top-k's values
-            if a not in seen and a in region.nodes and a is not region.ids:
-                seen.add(a)
-                todo.append(a)
+    # Not through the ids (integers: no gradient); through the top-k's values.
+    feeding = closure([weights], lambda n: (a for a in n.all_input_nodes if a in region.nodes and a is not region.ids))
+    if feeding & detached:
+        n = min(feeding & detached, key=lambda d: d.name)
+        raise NoMatch(f"the routing weights are computed from a detached value ({n.name}): they carry no gradient to "
+                      "the router, the op's do")
 
 
 def _match_given_ids(region: Region, weight: fx.Node, bias: fx.Node | None, router_fp32: bool) -> RouterMatch:
