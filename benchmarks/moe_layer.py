@@ -207,7 +207,8 @@ def kernel_problem(name, T, routing="layer"):
     return problem, note
 
 
-def _first(out):
+def block_output(out):
+    """A block's output tensor: the first of a tuple (a router's logits or states beside it), else itself."""
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -231,10 +232,10 @@ def make_runners(family, block, mode=None):
         return (out, topk_ids) if with_ids else out
 
     def hf(x):
-        return _first(block(x, *tokens(x)))
+        return block_output(block(x, *tokens(x)))
 
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
-        return _first(block(x, *tokens(x)))
+        return block_output(block(x, *tokens(x)))
 
     compiled = torch.compile(hf, dynamic=False, mode=mode)
     return {"hf": hf, "hf+comp": compiled, "mok": mok,

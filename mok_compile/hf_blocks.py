@@ -184,9 +184,11 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
 
 def new_block(family: str, cfg):
     """`family`'s MoE block built from `cfg` (DeepSeek-V4's takes its layer's index: the last one, past the
-    hash-routed layers)."""
+    hash-routed layers; Zaya's too: the first, whose router reads no previous layer's router states)."""
     if family == "deepseek_v4":
         return _block_class(family)(cfg, layer_idx=cfg.num_hidden_layers - 1)
+    if family == "zaya":
+        return _block_class(family)(cfg, layer_idx=0)
     return _block_class(family)(cfg)
 
 
@@ -221,6 +223,7 @@ def _block_class(family: str):
         "phimoe": "PhimoeSparseMoeBlock",
         "muse_spark": "MuseSparkMoE",
         "ergo": "ErgoMoE",
+        "zaya": "ZayaSparseMoeBlock",
     }
     return getattr(mod, names[family])
 

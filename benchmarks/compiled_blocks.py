@@ -1,16 +1,19 @@
-"""Muse Spark's and Ergo's MoE blocks (a post-expert RMSNorm: the op's `post_norm`) on the GPU: compiled by inductor
-against `backend="mok"`, as a user runs them.
+"""MoE blocks the layer benchmark cannot call the op for directly, timed as a user runs them: compiled by inductor
+against `backend="mok"`, on the GPU.
 
-    python -m benchmarks.post_norm [--families muse_spark,ergo] [--tokens 256,4096] [--rounds 3]
+    python -m benchmarks.compiled_blocks [--families muse_spark,ergo,zaya] [--tokens 256,4096] [--rounds 3]
 
-Each block from transformers >= 5.25 at a quarter of its experts (64 of 256, top-8), H=4096 (Muse Spark's experts at
-its moe_hidden_size, 3/4 of that), I=2048, bf16, grouped_mm experts, random weights (std 0.02, the norm weights
-around their identity). Forward (no_grad) and forward+backward (loss = mean(out^2); x and every parameter requiring
-grad), medians of `do_bench` over --rounds rounds, the order reversed every other round; printed as ms and the
-compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative errors (norms) against HF's
-eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and the parameters), and the peak
-memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated before it) of HF's eager block,
-the compiled baseline and mok.
+`benchmarks.moe_layer`'s "mok" column calls the op on the block's own router weight; these blocks have more around
+the op than it computes: Muse Spark's and Ergo's a post-expert RMSNorm (the op's `post_norm`), each from transformers
+>= 5.25 at a quarter of its experts (64 of 256, top-8), H=4096 (Muse Spark's experts at its moe_hidden_size, 3/4 of
+that), I=2048, the norm weights around their identity; Zaya's an MLP router (on a 256-wide projection of the
+tokens) whose logits the op takes, at Zaya1's sizes (H=2048, I=2048, 16 experts and its skip expert, top-1). bf16,
+grouped_mm experts, random weights (std 0.02). Forward (no_grad) and forward+backward (loss = mean(out^2); x and
+every parameter requiring grad), medians of `do_bench` over --rounds rounds, the order reversed every other round;
+printed as ms and the compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative errors
+(norms) against HF's eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and the
+parameters), and the peak memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated before
+it) of HF's eager block, the compiled baseline and mok.
 """
 
 import argparse
@@ -20,19 +23,30 @@ import torch
 from torch._dynamo.utils import counters
 
 import mok_compile  # noqa: F401  (registers torch.ops.mok.*)
-from benchmarks.moe_layer import build_block, fwd_bwd, peak_bytes, time_in_rounds
+from benchmarks.moe_layer import block_output, build_block, fwd_bwd, peak_bytes, time_in_rounds
 from mok_compile import hf_blocks
 from mok_compile.backend import mok_backend
 
-SIZES = hf_blocks.BlockSizes(hidden=4096, intermediate=2048, experts=64, top_k=8)
+POST_NORM_SIZES = hf_blocks.BlockSizes(hidden=4096, intermediate=2048, experts=64, top_k=8)
+# family -> (sizes, config overrides)
+FAMILIES = {
+    "muse_spark": (POST_NORM_SIZES, {}),
+    "ergo": (POST_NORM_SIZES, {}),
+    "zaya": (hf_blocks.BlockSizes(hidden=2048, intermediate=2048, experts=16, top_k=1), {"router_hidden_size": 256}),
+}
+
+
+def _eager(block):
+    """x -> the block's output (Zaya's block also returns its router states)."""
+    return lambda x: block_output(block(x))
 
 
 def _runners(block):
     def hf(x):
-        return block(x)
+        return block_output(block(x))
 
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
-        return block(x)
+        return block_output(block(x))
 
     return {"hf+comp": torch.compile(hf, dynamic=False), "mok+comp": torch.compile(hf_for_mok, backend=mok_backend,
                                                                                      dynamic=False)}
@@ -47,22 +61,26 @@ def _norm_weights_near_identity_(block):
 
 def run_family(family, tokens, rounds):
     torch._dynamo.reset()
-    block = build_block(family, SIZES, {})
-    _norm_weights_near_identity_(block)
+    sizes, overrides = FAMILIES[family]
+    block = build_block(family, sizes, overrides)
+    post = family in hf_blocks.POST_NORM_FAMILIES
+    if post:
+        _norm_weights_near_identity_(block)
+    eager = _eager(block)
     params = [p for p in block.parameters() if p.requires_grad]
     runners = _runners(block)
     for T in tokens:
-        x = torch.randn(1, T, SIZES.hidden, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
         fused_before = counters["mok"]["fused_moe"]
         with torch.no_grad():
-            ref = block(x).float()
+            ref = eager(x).float()
             got = runners["mok+comp"](x).float()
             base_got = runners["hf+comp"](x).float()
         if counters["mok"]["fused_moe"] == fused_before:
             raise SystemExit(f"{family}: backend='mok' fused no MoE block (see mok_compile.diagnostics.explain)")
         errors = {"fwd": [_rel(out, ref) for out in (got, base_got)]}
-        want = _gradients(block, x, params)
-        peak, timed, grads = {"eager": peak_bytes(fwd_bwd(block, x.clone().requires_grad_(), params)) / 1e9}, [], {}
+        want = _gradients(eager, x, params)
+        peak, timed, grads = {"eager": peak_bytes(fwd_bwd(eager, x.clone().requires_grad_(), params)) / 1e9}, [], {}
         for name, fn in runners.items():
             def forward(fn=fn):
                 with torch.no_grad():
@@ -71,7 +89,7 @@ def run_family(family, tokens, rounds):
             consumed = counters["mok"]["backward_consume"]
             grads[name] = _gradients(fn, x, params)  # compiled and warm before timing
             if name == "mok+comp" and counters["mok"]["backward_consume"] == consumed:
-                print(f"{family}: the compiled backward does not consume the saved h (and y)")
+                print(f"{family}: the compiled backward does not consume the saved h" + (" (and y)" if post else ""))
             step = fwd_bwd(fn, x.clone().requires_grad_(), params)
             step()
             peak[name] = peak_bytes(step) / 1e9
@@ -100,15 +118,20 @@ def _gradients(fn, x, params):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="muse_spark,ergo")
+    parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--tokens", default="256,4096")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     families = args.families.split(",")
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        raise SystemExit(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
     missing = set(families) - set(hf_blocks.available(families))
     if missing:
         raise SystemExit(f"{sorted(missing)} need transformers >= 5.25")
-    print(f"post-norm blocks, {SIZES}, bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp)")
+    for family in families:
+        print(f"{family}: {FAMILIES[family][0]}")
+    print(f"bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp)")
     print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'mok err':>9} {'comp err':>9}"
           f" {'GB eager':>8} {'GB comp':>8} {'GB mok':>8}")
     for family in families:
