@@ -31,8 +31,11 @@ _INPLACE_OPERATORS = {
     operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
     operator.ipow: "pow", operator.setitem: "setitem",
 }
+# `W.T` and `W.mT`: Dynamo writes them as `getattr(W, "T")` up to torch 2.13 and as `aten.numpy_T` / `aten.mT`
+# from torch 2.14 on.
+TRANSPOSE_ATTRIBUTE_OPS = frozenset({"numpy_T", "mT"})
 VIEW_OPS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", "expand", "view_as",
-                      "reshape_as", "expand_as", "permute", "transpose", "t"})
+                      "reshape_as", "expand_as", "permute", "transpose", "t"}) | TRANSPOSE_ATTRIBUTE_OPS
 CAST_OPS = frozenset({"float", "to", "type", "type_as", "bfloat16", "half", "double"})
 # Ops that only move, select or re-type data.
 LAYOUT_OPS_NAMES = VIEW_OPS | CAST_OPS | {"getitem", "size", "sym_size", "getattr", "index_select"}

@@ -51,8 +51,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from .dataflow import Dataflow
-from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, VIEW_OPS, arg, is_runtime_float,
-                       meta_value, number, op_name, tensor_meta)
+from .op_names import (CAST_OPS, LAYOUT_OPS_NAMES as LAYOUT_OPS, MATMUL_OPS, TRANSPOSE_ATTRIBUTE_OPS, VIEW_OPS, arg,
+                       is_runtime_float, meta_value, number, op_name, tensor_meta)
 
 
 class NoMatch(Exception):
@@ -84,7 +84,7 @@ KNOWN_OPS = frozenset({
     "new_ones",  # Ergo's unit weights of its one-route rows
     "item",  # JetMoE's per-expert counts as split sizes (`_is_source`: computed in the block)
     "detach",  # only what chooses may be detached (Zaya's ranked probabilities; `routing.match_router` checks)
-}) | NORM_OPS
+}) | NORM_OPS | TRANSPOSE_ATTRIBUTE_OPS
 
 # Ordering comparisons are accepted only as masks over expert ids (an integer tensor against a number), e.g.
 # transformers 5.17's expert-parallel sentinel mask ``expert_ids >= num_experts``; never as thresholds on
@@ -339,6 +339,8 @@ def _matrix_transpose(n) -> bool:
     name = op_name(n)
     if name == "getattr":
         return n.args[1:] in (("T",), ("mT",))
+    if name in TRANSPOSE_ATTRIBUTE_OPS:
+        return len(n.args) == 1
     if name == "transpose":
         dims = n.args[1:]
         return len(dims) == 2 and all(isinstance(d, int) for d in dims) and sorted(d % 2 for d in dims) == [0, 1]

@@ -147,7 +147,7 @@ def export_mlir(model: torch.nn.Module, *example_inputs, output_type: str = "tor
                          "pass decompose=True (or None) to export it as standard aten ops")
 
     # Decompositions already ran above; an empty table keeps the importer from running its own again.
-    module = torch_mlir_fx.export_and_import(_graph_copy(program), output_type="raw", decomposition_table={},
+    module = torch_mlir_fx.export_and_import(_importable_copy(program), output_type="raw", decomposition_table={},
                                              func_name=func_name)
     if output != "raw":
         _lower(module, output)
@@ -174,15 +174,22 @@ def _capture_and_fuse(model, example_inputs, dynamic_shapes, *, fuse: bool, stri
     return gm, report
 
 
-def _graph_copy(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """A copy of `program` with its own graph but the same weight tensors.
+def _importable_copy(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of `program` with its own graph but the same weight tensors, in the form torch-mlir imports.
 
     torch-mlir's frozen import rewrites the program's graph in place (weight
     placeholders become literals), which would leave `MlirExport.program`
     unrunnable; copying the weights too would double the memory of a large model.
+    The import also looks every buffer up in the state dict, where torch.export
+    keeps only persistent ones: a non-persistent buffer (a rotary embedding's
+    ``inv_freq``, which Dynamo's export keeps non-persistent from torch 2.14 on)
+    is in ``constants``, so the copy's state dict gets those too.
     """
     shared = itertools.chain(program.state_dict.values(), program.constants.values())
-    return copy.deepcopy(program, memo={id(t): t for t in shared})
+    copied = copy.deepcopy(program, memo={id(t): t for t in shared})
+    for name in copied.graph_signature.non_persistent_buffers:
+        copied.state_dict.setdefault(name, copied.constants[name])
+    return copied
 
 
 def _sort_topk(program: torch.export.ExportedProgram) -> None:

@@ -103,3 +103,26 @@ def test_non_moe_model_is_exported_unchanged():
     with torch.no_grad():
         want = model(ids).logits
     torch.testing.assert_close(RefBackendFunction(exported.module)(ids)[0], want, atol=1e-5, rtol=1e-4)
+
+
+def test_non_persistent_buffers_are_imported():
+    """torch.export keeps a non-persistent buffer (a rotary embedding's ``inv_freq``) in ``constants``, not in the
+    state dict where torch-mlir's import looks for every buffer. From torch 2.14 on, Dynamo's export keeps them
+    non-persistent too, so every HF model with rotary embeddings has one."""
+    from torch_mlir import fx as torch_mlir_fx
+
+    from mok_compile.export.mlir import _importable_copy
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.rand(4, generator=torch.Generator().manual_seed(0)), persistent=False)
+
+        def forward(self, x):
+            return x * self.scale
+
+    program = torch.export.export(Scaled(), (torch.randn(3, 4),))
+    assert list(program.graph_signature.non_persistent_buffers) == ["scale"] and "scale" not in program.state_dict
+    module = torch_mlir_fx.export_and_import(_importable_copy(program), output_type="raw", decomposition_table={})
+    assert count_matches(str(module), "torch.vtensor.literal") == 1
+    assert "scale" not in program.state_dict  # the caller's program is left as it was

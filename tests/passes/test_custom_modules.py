@@ -300,12 +300,13 @@ def _check_rounded_router(report, gm):
     assert source.op == "placeholder" and "router" in source.name and tensor_meta(source).dtype == torch.float32
 
 
-@pytest.mark.parametrize("transposed", [lambda w: w.T, lambda w: w.mT, lambda w: w.t(), lambda w: w.transpose(-1, 0)],
-                         ids=["T", "mT", "t", "transpose"])
+@pytest.mark.parametrize("transposed", [lambda w: w.T, lambda w: w.mT, lambda w: w.t(), lambda w: w.transpose(-1, 0),
+                                        torch.ops.aten.numpy_T, torch.ops.aten.mT],
+                         ids=["T", "mT", "t", "transpose", "aten.numpy_T", "aten.mT"])
 def test_fp32_out_mm_router_of_a_rounded_weight_detected(transposed):
     """``torch.mm(x, W.to(x.dtype).T, out_dtype=torch.float32)`` with W kept in fp32 (Ergo's router on CUDA; traced on
-    meta tensors, structure only), its transpose spelled four ways: the op gets W rounded to bf16, as the GEMM reads
-    it, not W."""
+    meta tensors, structure only), its transpose spelled six ways (torch 2.14's Dynamo writes ``W.T`` and ``W.mT`` as
+    the aten ops, earlier ones as attribute reads): the op gets W rounded to bf16, as the GEMM reads it, not W."""
     module = _rounded_router_module("meta", transposed)
     gm, example, report, _ = _fuse(module, torch.empty(24, 32, device="meta", dtype=torch.bfloat16), validate=False)
     _check_rounded_router(report, gm)
