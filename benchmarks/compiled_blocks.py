@@ -2,6 +2,7 @@
 against `backend="mok"`, on the GPU.
 
     python -m benchmarks.compiled_blocks [--families muse_spark,ergo,zaya] [--tokens 256,4096] [--rounds 3]
+        [--mode reduce-overhead]
 
 `benchmarks.moe_layer`'s "mok" column calls the op on the block's own router weight; these blocks have more around
 the op than it computes: Muse Spark's and Ergo's a post-expert RMSNorm (the op's `post_norm`), each from transformers
@@ -13,7 +14,9 @@ every parameter requiring grad), medians of `do_bench` over --rounds rounds, the
 printed as ms and the compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative errors
 (norms) against HF's eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and the
 parameters), and the peak memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated before
-it) of HF's eager block, the compiled baseline and mok.
+it) of HF's eager block, the compiled baseline and mok. --mode is torch.compile's for both compiled columns:
+"reduce-overhead" replays CUDA graphs on both sides, which takes the host's time out where the block's GPU work is
+less than it (Zaya's at top-1).
 """
 
 import argparse
@@ -41,15 +44,15 @@ def _eager(block):
     return lambda x: block_output(block(x))
 
 
-def _runners(block):
+def _runners(block, mode=None):
     def hf(x):
         return block_output(block(x))
 
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
         return block_output(block(x))
 
-    return {"hf+comp": torch.compile(hf, dynamic=False), "mok+comp": torch.compile(hf_for_mok, backend=mok_backend,
-                                                                                     dynamic=False)}
+    return {"hf+comp": torch.compile(hf, dynamic=False, mode=mode),
+            "mok+comp": torch.compile(hf_for_mok, backend=mok_backend, dynamic=False, mode=mode)}
 
 
 def _norm_weights_near_identity_(block):
@@ -59,7 +62,7 @@ def _norm_weights_near_identity_(block):
         norm.weight.copy_(torch.randn_like(norm.weight) * 0.1 + (1.0 if norm.weight.dim() == 2 else 0.0))
 
 
-def run_family(family, tokens, rounds):
+def run_family(family, tokens, rounds, mode=None):
     torch._dynamo.reset()
     sizes, overrides = FAMILIES[family]
     block = build_block(family, sizes, overrides)
@@ -68,7 +71,7 @@ def run_family(family, tokens, rounds):
         _norm_weights_near_identity_(block)
     eager = _eager(block)
     params = [p for p in block.parameters() if p.requires_grad]
-    runners = _runners(block)
+    runners = _runners(block, mode)
     for T in tokens:
         x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
         fused_before = counters["mok"]["fused_moe"]
@@ -110,10 +113,11 @@ def _rel(got, want) -> float:
 
 
 def _gradients(fn, x, params):
-    """[d x, d params...] of one forward+backward of `fn` (the benchmark's loss)."""
+    """[d x, d params...] of one forward+backward of `fn` (the benchmark's loss), copied: under CUDA graphs a
+    gradient may be a graph's output, which its next replay overwrites."""
     x = x.clone().requires_grad_()
     fwd_bwd(fn, x, params)()
-    return [x.grad, *(p.grad for p in params)]
+    return [g.clone() for g in (x.grad, *(p.grad for p in params))]
 
 
 def main(argv=None):
@@ -121,6 +125,8 @@ def main(argv=None):
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--tokens", default="256,4096")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", default=None, help='torch.compile mode of both compiled columns, e.g. '
+                                                     '"reduce-overhead"')
     args = parser.parse_args(argv)
     families = args.families.split(",")
     unknown = set(families) - set(FAMILIES)
@@ -131,11 +137,11 @@ def main(argv=None):
         raise SystemExit(f"{sorted(missing)} need transformers >= 5.25")
     for family in families:
         print(f"{family}: {FAMILIES[family][0]}")
-    print(f"bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp)")
+    print(f"bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp; compile mode {args.mode})")
     print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'mok err':>9} {'comp err':>9}"
           f" {'GB eager':>8} {'GB comp':>8} {'GB mok':>8}")
     for family in families:
-        run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds)
+        run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds, args.mode)
 
 
 if __name__ == "__main__":
