@@ -8,7 +8,9 @@ against `backend="mok"`, on the GPU.
 the op than it computes: Muse Spark's and Ergo's a post-expert RMSNorm (the op's `post_norm`), each from transformers
 >= 5.25 at a quarter of its experts (64 of 256, top-8), H=4096 (Muse Spark's experts at its moe_hidden_size, 3/4 of
 that), I=2048, the norm weights around their identity; Zaya's an MLP router (on a 256-wide projection of the
-tokens) whose logits the op takes, at Zaya1's sizes (H=2048, I=2048, 16 experts and its skip expert, top-1). bf16,
+tokens) whose logits the op takes, at Zaya1's sizes (H=2048, I=2048, 16 experts and its skip expert, top-1); and,
+as the small-experts case among the blocks the layer benchmark does time, Granite-MoE's at Granite-3.0-1B-A400M's
+sizes (H=1024, I=512, 32 experts, top-8), where the op's host time exceeds its GPU time past 512 tokens too. bf16,
 grouped_mm experts, random weights (std 0.02). Forward (no_grad) and forward+backward (loss = mean(out^2); x and
 every parameter requiring grad), medians of `do_bench` over --rounds rounds, the order reversed every other round,
 and the same for calls back to back ("loop": 20 calls between two CUDA events, as a training loop runs them; where a
@@ -16,7 +18,8 @@ step's host time exceeds its GPU time that is the host's time, which `do_bench`'
 hides); printed as ms and the compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative
 errors (norms) against HF's eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and the
 parameters), and the peak memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated before
-it) of HF's eager block, the compiled baseline and mok. --mode is torch.compile's for both compiled columns:
+it) of HF's eager block, the compiled baseline and mok; then the op's own CUDA graphs that T left cached
+(`mok_compile.kernels.graphs`) and the buffers they keep, memory the peak does not show. --mode is torch.compile's for both compiled columns:
 "reduce-overhead" replays CUDA graphs on both sides, which takes most of the host's time out where the block's GPU
 work is less than it (Zaya's at top-1).
 """
@@ -33,6 +36,7 @@ from benchmarks.power import ms_per_call
 from mok_compile import hf_blocks
 from mok_compile.backend import mok_backend
 from mok_compile.config import parse_options
+from mok_compile.kernels import moe
 
 POST_NORM_SIZES = hf_blocks.BlockSizes(hidden=4096, intermediate=2048, experts=64, top_k=8)
 # family -> (sizes, config overrides)
@@ -40,6 +44,7 @@ FAMILIES = {
     "muse_spark": (POST_NORM_SIZES, {}),
     "ergo": (POST_NORM_SIZES, {}),
     "zaya": (hf_blocks.BlockSizes(hidden=2048, intermediate=2048, experts=16, top_k=1), {"router_hidden_size": 256}),
+    "granitemoe": (hf_blocks.BlockSizes(hidden=1024, intermediate=512, experts=32, top_k=8), {}),
 }
 
 
@@ -79,6 +84,8 @@ def run_family(family, tokens, rounds, mode=None):
     # the backend's own test: under CUDA graphs it leaves the saved h unconsumed, by design
     graphed = parse_options(None, mode).inductor_patches().get("triton.cudagraphs")
     for T in tokens:
+        for cache in (moe.FORWARD_GRAPHS, moe.BACKWARD_GRAPHS):  # this T's graphs only, for the line below
+            cache.clear()
         x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16)
         fused_before = counters["mok"]["fused_moe"]
         with torch.no_grad():
@@ -113,6 +120,9 @@ def run_family(family, tokens, rounds, mode=None):
             memory = "" if phase == "fwd" else "".join(f" {peak[n]:>8.2f}" for n in ("eager", "hf+comp", "mok+comp"))
             print(f"{family:>10} {T:>6} {phase:>8} {base:>9.3f} {mok:>9.3f} {base / mok:>6.2f} {base_loop:>9.3f} "
                   f"{mok_loop:>9.3f} {base_loop / mok_loop:>6.2f} {err:>9.1e} {base_err:>9.1e}{memory}")
+        print("{:>17} the op's graphs: {} forward, {:.0f} MB; {} backward, {:.0f} MB".format(
+            "", len(moe.FORWARD_GRAPHS), moe.FORWARD_GRAPHS.nbytes / 1e6, len(moe.BACKWARD_GRAPHS),
+            moe.BACKWARD_GRAPHS.nbytes / 1e6))
 
 
 def back_to_back(fn, calls: int = 20) -> float:

@@ -1,12 +1,12 @@
-"""Few-token forwards and backwards replayed from CUDA graphs.
+"""Few-token forwards and backwards, and small inference forwards, replayed from CUDA graphs.
 
 At a few hundred tokens and fewer the forward's GPU time (47 us for one Qwen3-30B-A3B token, 0.34 ms for 256) is
 below the host time of its nine launches and the Python around them, even replayed from a launch plan (`plan.py`;
 benchmarks/NOTES-gpu.md v20-v23, v49), and so is a training step's: a caller that runs the op eagerly, or compiled
 in inductor's default mode, waits on the host. `GraphCache` captures one call signature in a CUDA graph and replays
-it: the call's per-call tensors (x and any given expert ids; for the backward grad_out, x, the routing and the saved
-h, logits and layout)
-copied into the graph's own buffers, one replay, the outputs copied out into new tensors. The graph holds the
+it: the call's per-call tensors (x, any given expert ids, and the logits where the router argument is the logits
+rather than a weight; for the backward also grad_out, the routing and the saved h, logits and layout) copied into
+the graph's own buffers, one replay, the outputs copied out into new tensors. The graph holds the
 same kernels with the same configs as the launches it replaces, so the outputs are the same bits.
 
 A graph reads every tensor at the address it had at capture, so its key is a launch plan's signature
@@ -19,14 +19,19 @@ out (or handing out its own buffers, which the next replay would overwrite): its
 `finish` launches the weight gradients after each replay from the graph's dh and w * act(h) and the call's weights,
 through a launch plan (NOTES v50). A graph keeps none of the caller's tensors (NOTES v51).
 
-Where: CUDA, 1 to `max_tokens` tokens (MOK_GRAPH_TOKENS, default 512; 0 turns graphs off), Triton's fast launch
-path usable (no profiler hooks), and no capture under way on this stream: `mode="reduce-overhead"` captures the op
-in inductor's own graph. A signature is captured on its second call; one whose capture failed is not tried
-again. Memory: the graphs of one device and stream share one pool, so their intermediates take the largest
-graph's (tens of MB at 512 tokens), not the sum; each graph also keeps its buffers of its own (the per-call
-tensors, the outputs, and for the backward what its weight gradients read but the weights). The cache keeps the 64
-most recently used graphs, within 1 GiB of those buffers; once 16 graphs have left it never replayed (more distinct
-token counts than it holds, each seen twice), it stops capturing.
+Where: CUDA, 1 to `max_tokens` tokens (MOK_GRAPH_TOKENS, default 512; 0 turns graphs off), and past that an
+inference forward whose expert work T * K * H * I is at most `max_inference_macs` multiply-adds
+(MOK_GRAPH_INFERENCE_MACS, default 2^34: Zaya's or Granite-MoE's experts up to 4096 tokens, Qwen3-30B-A3B's up to
+1365). Such a forward takes less GPU time than its launches take the host, and its graph keeps only copies of x and
+the output (2 * T * H elements). A training forward's graph would keep h too and its backward's more, per layer
+(about 280 MB a Granite-MoE layer at 4096 tokens), so those stay at few tokens (benchmarks/NOTES-gpu.md v67). Also:
+Triton's fast launch path usable (no profiler hooks), and no capture under way on this stream:
+`mode="reduce-overhead"` captures the op in inductor's own graph. A signature is captured on its second call; one
+whose capture failed is not tried again. Memory: the graphs of one device and stream share one pool, so their
+intermediates take the largest graph's (tens of MB at 512 tokens), not the sum; each graph also keeps its buffers of
+its own (the per-call tensors, the outputs, and for the backward what its weight gradients read but the weights).
+The cache keeps the 64 most recently used graphs, within 1 GiB of those buffers; once 16 graphs have left it never
+replayed (more distinct token counts than it holds, each seen twice), it stops capturing.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ log = logging.getLogger("mok_compile.graphs")
 
 DEFAULT_TOKENS = 512
 max_tokens = int(os.environ.get("MOK_GRAPH_TOKENS", DEFAULT_TOKENS))
+# Past max_tokens, an inference forward whose expert work T * K * H * I is at most this many multiply-adds (about
+# 0.2 ms of GPU time on an H100, less than its launches' host time; NOTES-gpu.md v67).
+DEFAULT_INFERENCE_MACS = 1 << 34
+max_inference_macs = int(os.environ.get("MOK_GRAPH_INFERENCE_MACS", DEFAULT_INFERENCE_MACS))
 _MAX_GRAPHS = 64
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
 _MAX_SEEN = 1024
@@ -113,9 +122,12 @@ def _like_aligned(x):
     return buf[offset:offset + x.numel()].view(x.shape)
 
 
-def eligible(x) -> bool:
-    """Whether a call whose first tensor is `x` may be replayed from a graph (see the module docstring)."""
-    return (0 < x.shape[0] <= max_tokens and x.is_cuda and x.get_device() == torch._C._cuda_getDevice()
+def eligible(x, macs=None) -> bool:
+    """Whether a call whose first tensor is `x` may be replayed from a graph (see the module docstring); `macs`: its
+    expert work where it is an inference forward."""
+    T = x.shape[0]
+    return (0 < T and max_tokens > 0 and (T <= max_tokens or (macs is not None and macs <= max_inference_macs))
+            and x.is_cuda and x.get_device() == torch._C._cuda_getDevice()
             and launch.fast_launch and not launch._hooks_set() and not torch.cuda.is_current_stream_capturing())
 
 
@@ -134,19 +146,23 @@ class GraphCache:
         self._lock = threading.Lock()
         self.unused = 0  # graphs evicted before serving a call after their capture
 
-    def call(self, run, tensors, options, capture=None):
+    def call(self, run, tensors, options, capture=None, also_copied=(), macs=None):
         """`run(*tensors)`, the entry point over `tensors` (its tensor arguments, None for absent ones; the first
         fixes the token count) with `options` (hashable: everything else it takes), or its graph's replay.
+        `also_copied`: positions of more per-call tensors this call has (which `options` must tell apart), copied
+        like the cache's own (a router argument that is the call's logits rather than a weight). `macs`: the
+        call's expert work (T * K * H * I) where it is an inference forward, which may take a graph past
+        `max_tokens` tokens (`eligible`).
         `capture(*tensors)`, where given, is what a graph records instead: (outputs, finish), finish None or
         (fn, held, reads): `fn(*held, *(the call's tensors at positions reads))` launched after each replay for the
         rest of the outputs (new tensors). `held` are the graph's own tensors; `reads` name tensors not copied (the
         weights), which the graph must not keep: a model's weights are freed with the model, not with its graphs."""
         x = tensors[0]
-        if not eligible(x):
+        if not eligible(x, macs):
             return run(*tensors)
         try:
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-            copied = self._copied
+            copied = self._copied + tuple(also_copied)
             key = (plan.signature(tensors, options),
                    tuple([None if tensors[i] is None else _alignment(tensors[i]) for i in copied]),
                    tuple([None if t is None or i in copied else t.data_ptr() for i, t in enumerate(tensors)]),
@@ -203,6 +219,11 @@ class GraphCache:
 
     def __len__(self):
         return len(self._graphs)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the cached graphs keep of their own (their pool's intermediates not counted)."""
+        return self._bytes
 
     def clear(self):
         """Drop every graph (their memory returns to PyTorch's allocator) and what was seen."""

@@ -338,7 +338,20 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
     def planned(*tensors):
         return _FORWARD_PLANS.call(lambda: _forward(*tensors, save_gate_up=save_gate_up, **kw), tensors, options)
 
-    return FORWARD_GRAPHS.call(planned, tensors, options)
+    # An inference forward's graph keeps copies of x and the output only: past few tokens too where its work is small
+    # (`graphs.max_inference_macs`).
+    macs = None if save_gate_up else _expert_macs(hidden_states, gate_up_proj, down_proj, kw)
+    return FORWARD_GRAPHS.call(planned, tensors, options, also_copied=(1,) if kw["router_is_logits"] else (),
+                               macs=macs)
+
+
+def _expert_macs(x, gate_up_proj, down_proj, kw) -> int:
+    """T * K * H * I: the multiply-adds of each I-wide expert GEMM of a call (x [T, H]); None for inputs of other ranks,
+    which the normal path rejects with its own message."""
+    if x.dim() != 2 or down_proj.dim() != 3:
+        return None
+    _, I = _sizes(gate_up_proj, down_proj, kw)
+    return x.shape[0] * kw["top_k"] * x.shape[-1] * I
 
 
 def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias,
@@ -483,7 +496,7 @@ def fused_moe_backward(grad_out, grad_topk_weights, hidden_states, router, route
         return _backward(*tensors, defer_weight_gradients=True, **{**kw, "overwrite_gate_up_out": False})
 
     d_x, d_router, d_router_bias, d_scale, d_post_norm, *weight_grads = BACKWARD_GRAPHS.call(
-        planned, tensors, options, capture=capture)
+        planned, tensors, options, capture=capture, also_copied=(3,) if kw["router_is_logits"] else ())
     return d_x, d_router, d_router_bias, *weight_grads, d_scale, d_post_norm
 
 

@@ -28,5 +28,5 @@ def test_each_family_builds_at_its_sizes():
 
 
 def test_unknown_family_is_named():
-    with pytest.raises(SystemExit, match=r"unknown families \['mixtral'\]; known: muse_spark, ergo, zaya"):
+    with pytest.raises(SystemExit, match=r"unknown families \['mixtral'\]; known: muse_spark, ergo, zaya, granitemoe"):
         main(["--families", "zaya,mixtral"])

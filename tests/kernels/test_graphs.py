@@ -5,11 +5,11 @@ launches it replaces, on fresh inputs each call; weights written in place are re
 own graph; the training forward's six outputs replay bit for bit too; so do the backward's seven gradients (its
 weight gradients launched after each replay), recomputing, reading the saved tensors or consuming h, on either
 engine, and whole training steps through autograd with gradients accumulated and weights updated in place; the
-graphs keep no weight alive; token counts above the bound and calls inside someone else's capture are never
-captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
+graphs keep no weight alive; logits given as the router argument are copied per call like x; token counts above
+the bound (but for an inference forward of small work) and calls inside someone else's capture are never captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
 own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU tensors never take the graph
 path, and the cache's bookkeeping with captures stubbed (capture on the second call, a key per weight address but
-not per copied tensor, a failed capture not retried, a raising call not counted, capturing stopped after unused
+not per copied tensor, nor per tensor a call also copies, a failed capture not retried, a raising call not counted, capturing stopped after unused
 evictions, graphs dropped past the byte bound).
 """
 
@@ -75,7 +75,7 @@ def _equal(got, want, n=3):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("T", [1, 37, 300])
+@pytest.mark.parametrize("T", [1, 37, 300, 1000])  # 1000: past the token bound, an inference forward of small work
 def test_replays_give_the_launches_bits_on_fresh_inputs(cache, monkeypatch, replays, variant, T):
     H, I, E, K = _sizes(variant)
     tensors, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
@@ -236,6 +236,44 @@ def test_training_steps_through_autograd_equal_the_launches(backward_cache, cach
     assert len(cache) == 1 and len(backward_cache) == 1
 
 
+def _with_fresh_logits(tensors, seed, kept):
+    """`tensors` of a `router_logits` case with new logits (the router argument) at a new address: `kept` holds the
+    earlier ones alive."""
+    logits = torch.randn(tensors[1].shape, device="cuda", generator=generator(seed + 50, "cuda")).to(tensors[1].dtype)
+    kept.append(logits)
+    return (tensors[0], logits, *tensors[2:])
+
+
+@pytest.mark.gpu
+def test_logits_as_the_router_are_copied_into_the_forward_graph(cache, monkeypatch, replays):
+    """Where the router argument is the call's logits (Zaya's block), they are a per-call tensor like x: fresh
+    logits at a new address each call replay the same graph, with the launches' bits (keyed by their address, a
+    graph would serve only calls that happen to reuse it)."""
+    tensors, kw = make_case("router_logits", T=40, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    kept = []
+    for step in range(4):
+        call = _with_fresh_logits(tensors, step, kept)
+        x = _fresh_x(tensors, step)
+        for save in (False, True):
+            _equal(_forward(call, kw, x, save_gate_up=save), _launched(call, kw, x, monkeypatch, save_gate_up=save),
+                   n=7 if save else 3)
+    assert len(cache) == 2 and len(replays) == 6
+
+
+@pytest.mark.gpu
+def test_logits_as_the_router_are_copied_into_the_backward_graph(backward_cache, monkeypatch, replays):
+    tensors, kw = make_case("router_logits", T=40, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    kept = []
+    for step in range(4):
+        call = _with_fresh_logits(tensors, step, kept)
+        calls = _backward_calls(call, kw, step, "saved", monkeypatch)
+        got = _backward(call, kw, calls)
+        with monkeypatch.context() as m:
+            m.setattr(graphs, "max_tokens", 0)
+            _equal_grads(got, _backward(call, kw, calls))
+    assert len(backward_cache) == 1 and len(replays) == 3  # captured (and replayed) at step 1, then two replays
+
+
 @pytest.mark.gpu
 def test_graphs_keep_no_weight_alive(backward_cache, cache):
     """A model's weights are freed with the model, not kept by its graphs: the backward's weight gradients read each
@@ -260,15 +298,29 @@ def test_graphs_keep_no_weight_alive(backward_cache, cache):
 
 @pytest.mark.gpu
 def test_more_tokens_than_the_bound_are_not_captured(cache, monkeypatch):
+    """Past `max_tokens`, an inference forward of at most `max_inference_macs` is captured, a training forward never."""
     tensors, kw = make_case("qwen3", T=40, H=128, I=64, E=16, K=4, dtype=torch.bfloat16, device="cuda")
+    macs = 40 * 4 * 128 * 64  # T * K * H * I
     monkeypatch.setattr(graphs, "max_tokens", 39)
+    monkeypatch.setattr(graphs, "max_inference_macs", macs - 1)
     for _ in range(3):
         _forward(tensors, kw)
+        _forward(tensors, kw, save_gate_up=True)
     assert len(cache) == 0
-    monkeypatch.setattr(graphs, "max_tokens", 40)
+    monkeypatch.setattr(graphs, "max_inference_macs", macs)
     for _ in range(2):
         _forward(tensors, kw)
+        _forward(tensors, kw, save_gate_up=True)
     assert len(cache) == 1
+    monkeypatch.setattr(graphs, "max_tokens", 40)
+    for _ in range(2):
+        _forward(tensors, kw, save_gate_up=True)
+    assert len(cache) == 2
+    monkeypatch.setattr(graphs, "max_tokens", 0)  # off: no graph serves, whatever the work
+    calls = len(cache._seen)
+    for _ in range(2):
+        _forward(tensors, kw, x=_fresh_x(tensors, 3))
+    assert len(cache._seen) == calls
 
 
 @pytest.mark.gpu
@@ -391,7 +443,7 @@ class _StubGraph:
 @pytest.fixture
 def stub_cache(monkeypatch):
     """A GraphCache on CPU tensors: every call eligible, captures stubbed, one stream."""
-    monkeypatch.setattr(graphs, "eligible", lambda x: True)
+    monkeypatch.setattr(graphs, "eligible", lambda x, macs=None: True)
     monkeypatch.setattr(graphs, "_Graph", _StubGraph)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
@@ -459,14 +511,16 @@ def test_the_cache_stops_capturing_after_unused_evictions(stub_cache, monkeypatc
     assert small.call(_run([]), (xs[5],), ())[0] == "launched"  # T=5: seen twice, never captured
 
 
+def fresh(*shape):
+    """A new CPU tensor at an address 256-byte aligned, as the GPU's allocator gives (the key holds the alignment)."""
+    buf = torch.randn(shape[0] * shape[1] + 64)
+    offset = -buf.data_ptr() % graphs._ALIGN // buf.element_size()
+    return buf[offset:offset + shape[0] * shape[1]].view(shape)
+
+
 def test_copied_tensors_are_not_in_the_key_and_the_others_are(stub_cache):
     """A backward's per-call tensors (grad_out, saved h, ...) are copied into the graph: new ones each call replay
     the same graph. A weight at another address gets another."""
-    def fresh(*shape):  # at an address 256-byte aligned, as the GPU's allocator gives (the key holds the alignment)
-        buf = torch.randn(shape[0] * shape[1] + 64)
-        offset = -buf.data_ptr() % graphs._ALIGN // buf.element_size()
-        return buf[offset:offset + shape[0] * shape[1]].view(shape)
-
     cache = graphs.GraphCache(copied=(0, 2))
     w = fresh(8, 8)
     for _ in range(3):
@@ -479,6 +533,17 @@ def test_copied_tensors_are_not_in_the_key_and_the_others_are(stub_cache):
     for _ in range(2):
         cache.call(_run([]), (fresh(4, 8), w, None), ())  # an absent per-call tensor: another signature
     assert len(cache) == 3
+
+
+def test_tensors_a_call_also_copies_are_not_in_the_key(stub_cache):
+    """`also_copied` (the logits where they are the router argument): new ones each call replay the same graph."""
+    x, w = fresh(4, 8), fresh(8, 8)
+    for _ in range(3):
+        stub_cache.call(_run([]), (x, fresh(4, 2), w), ("logits",), also_copied=(1,))
+    assert len(stub_cache) == 1 and _StubGraph.made[0].hits == 1
+    for _ in range(2):  # the same shapes, the second tensor keying the graph by its address
+        stub_cache.call(_run([]), (x, fresh(4, 2), w), ("weights",))
+    assert len(stub_cache) == 1
 
 
 def test_graphs_past_the_byte_bound_are_dropped_oldest_first(stub_cache):
