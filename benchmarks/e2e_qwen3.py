@@ -31,6 +31,10 @@ three sliding-window layers (1024) and a global one, vocabulary 262144 (tied).
 --model longcat (transformers >= 5.25) runs a LongCat-Flash model: each layer two MLA attention sublayers, two dense
 MLPs (4096) and one MoE block whose router ranks 64 experts (1024, top-12) and 32 zero-computation experts (the op's
 `identity_experts`), hidden 2048, 16 heads, vocabulary 131072.
+--model granitemoe runs a Granite-MoE model at Granite-3.0-1B-A400M's sizes (its 24 layers with --layers 24): hidden
+1024, 32 experts top-8 of intermediate 512, 16 heads (8 KV), vocabulary 49155, its embedding, residual, attention and
+logits multipliers; experts this small leave a step waiting on the host at a few thousand tokens.
+Each run ends with the op's own CUDA graphs left cached (`mok_compile.kernels.graphs`) and the memory they keep.
 The mok backend is passed as a callable so that no installed entry point is needed (a plain
 checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 """
@@ -49,7 +53,8 @@ import torch
 
 
 # The MoE layer's (H, I, E, K) of each --model.
-MOE_SIZES = {"qwen3": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8), "longcat": (2048, 1024, 64, 12)}
+MOE_SIZES = {"qwen3": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8), "longcat": (2048, 1024, 64, 12),
+             "granitemoe": (1024, 512, 32, 8)}
 # Router choices past the experts (identity experts, which compute nothing) of each --model that has them.
 IDENTITY_EXPERTS = {"longcat": 32}
 
@@ -63,6 +68,12 @@ def _config(model, layers, seq):
             zero_expert_num=IDENTITY_EXPERTS[model], moe_topk=12, routed_scaling_factor=6.0, num_layers=layers,
             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64,
             qk_rope_head_dim=32, head_dim=32, v_head_dim=64, vocab_size=131072, max_position_embeddings=max(seq, 4096))
+    if model == "granitemoe":
+        return tf.GraniteMoeConfig(
+            hidden_size=1024, intermediate_size=512, num_local_experts=32, num_experts_per_tok=8,
+            num_attention_heads=16, num_key_value_heads=8, vocab_size=49155, embedding_multiplier=12.0,
+            logits_scaling=6.0, residual_multiplier=0.22, attention_multiplier=0.015625, num_hidden_layers=layers,
+            max_position_embeddings=max(seq, 4096))
     if model == "gemma4":
         return tf.Gemma4TextConfig(
             hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704, num_experts=128, top_k_experts=8,
@@ -291,6 +302,12 @@ def main():
             f"{r[name]['mok_counters']}")
     if args.profile and not args.ddp:
         print_bound(results, args.layers, tokens, args.model)
+    from mok_compile.kernels import moe
+
+    results["op_graphs"] = {name: (len(cache), cache.nbytes) for name, cache in
+                            (("forward", moe.FORWARD_GRAPHS), ("backward", moe.BACKWARD_GRAPHS))}
+    say("the op's graphs: " + "; ".join(f"{n} {name}, {b / 1e6:.0f} MB"
+                                        for name, (n, b) in results["op_graphs"].items()))
     if rank == 0:
         name = f"e2e_{args.model}" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "") + ".json"
         results["mode"] = args.mode
