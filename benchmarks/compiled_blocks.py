@@ -14,14 +14,14 @@ sizes (H=1024, I=512, 32 experts, top-8), where the op's host time exceeds its G
 grouped_mm experts, random weights (std 0.02). Forward (no_grad) and forward+backward (loss = mean(out^2); x and
 every parameter requiring grad), medians of `do_bench` over --rounds rounds, the order reversed every other round,
 and the same for calls back to back ("loop": 20 calls between two CUDA events, as a training loop runs them; where a
-step's host time exceeds its GPU time that is the host's time, which `do_bench`'s cache flush before each call partly
-hides); printed as ms and the compiled baseline's time over mok's (x), with mok's and the compiled baseline's relative
-errors (norms) against HF's eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and the
-parameters), and the peak memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated before
-it) of HF's eager block, the compiled baseline and mok; then the op's own CUDA graphs that T left cached
-(`mok_compile.kernels.graphs`) and the buffers they keep, memory the peak does not show. --mode is torch.compile's for both compiled columns:
-"reduce-overhead" replays CUDA graphs on both sides, which takes most of the host's time out where the block's GPU
-work is less than it (Zaya's at top-1).
+step's host time exceeds its GPU time that is the host's time, which `do_bench`'s cache flush before each call
+partly hides); printed as ms and the compiled baseline's time over mok's (x), with mok's and the compiled baseline's
+relative errors (norms) against HF's eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and
+the parameters), and the peak memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated
+before it) of HF's eager block, the compiled baseline and mok; then the op's own CUDA graphs that T left cached
+(`mok_compile.kernels.graphs`) and the buffers they keep, memory the peak does not show. --mode is torch.compile's
+for both compiled columns: "reduce-overhead" replays CUDA graphs on both sides, which takes most of the host's time
+out where the block's GPU work is less than it (Zaya's at top-1).
 """
 
 import argparse

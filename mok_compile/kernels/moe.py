@@ -345,7 +345,7 @@ def fused_moe_forward(hidden_states, router, router_bias, selection_bias, gate_u
                                macs=macs)
 
 
-def _expert_macs(x, gate_up_proj, down_proj, kw) -> int:
+def _expert_macs(x, gate_up_proj, down_proj, kw) -> int | None:
     """T * K * H * I: the multiply-adds of each I-wide expert GEMM of a call (x [T, H]); None for inputs of other ranks,
     which the normal path rejects with its own message."""
     if x.dim() != 2 or down_proj.dim() != 3:

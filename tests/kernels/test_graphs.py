@@ -1,15 +1,16 @@
 """Few-token forwards and backwards replayed from CUDA graphs (`mok_compile.kernels.graphs`).
 
 On the GPU: a signature's second call captures its forward and later calls replay it, with the same bits as the
-launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their
-own graph; the training forward's six outputs replay bit for bit too; so do the backward's seven gradients (its
-weight gradients launched after each replay), recomputing, reading the saved tensors or consuming h, on either
-engine, and whole training steps through autograd with gradients accumulated and weights updated in place; the
-graphs keep no weight alive; logits given as the router argument are copied per call like x; token counts above
-the bound (but for an inference forward of small work) and calls inside someone else's capture are never captured; outputs are new tensors; under inference mode it works as outside; two threads on one stream get their
-own outputs. On the CPU: the copy of x keeps the alignment the launches read, CPU tensors never take the graph
-path, and the cache's bookkeeping with captures stubbed (capture on the second call, a key per weight address but
-not per copied tensor, nor per tensor a call also copies, a failed capture not retried, a raising call not counted, capturing stopped after unused
+launches it replaces, on fresh inputs each call; weights written in place are read, new weight tensors get their own
+graph; the training forward's six outputs replay bit for bit too; so do the backward's seven gradients (its weight
+gradients launched after each replay), recomputing, reading the saved tensors or consuming h, on either engine, and
+whole training steps through autograd with gradients accumulated and weights updated in place; the graphs keep no
+weight alive; logits given as the router argument are copied per call like x; token counts above the bound (but for
+an inference forward of small work) and calls inside someone else's capture are never captured; outputs are new
+tensors; under inference mode it works as outside; two threads on one stream get their own outputs. On the CPU: the
+copy of x keeps the alignment the launches read, CPU tensors never take the graph path, and the cache's bookkeeping
+with captures stubbed (capture on the second call, a key per weight address but not per copied tensor, nor per
+tensor a call also copies, a failed capture not retried, a raising call not counted, capturing stopped after unused
 evictions, graphs dropped past the byte bound).
 """
 
