@@ -20,18 +20,18 @@ out (or handing out its own buffers, which the next replay would overwrite): its
 through a launch plan (NOTES v50). A graph keeps none of the caller's tensors (NOTES v51).
 
 Where: CUDA, 1 to `max_tokens` tokens (MOK_GRAPH_TOKENS, default 512; 0 turns graphs off), and past that an
-inference forward whose expert work T * K * H * I is at most `max_inference_macs` multiply-adds
-(MOK_GRAPH_INFERENCE_MACS, default 2^34: Zaya's or Granite-MoE's experts up to 4096 tokens, Qwen3-30B-A3B's up to
-1365). Such a forward takes less GPU time than its launches take the host, and its graph keeps only copies of x and
-the output (2 * T * H elements). A training forward's graph would keep h too and its backward's more, per layer
-(about 280 MB a Granite-MoE layer at 4096 tokens), so those stay at few tokens (benchmarks/NOTES-gpu.md v67). Also:
-Triton's fast launch path usable (no profiler hooks), and no capture under way on this stream:
-`mode="reduce-overhead"` captures the op in inductor's own graph. A signature is captured on its second call; one
-whose capture failed is not tried again. Memory: the graphs of one device and stream share one pool, so their
-intermediates take the largest graph's (tens of MB at 512 tokens), not the sum; each graph also keeps its buffers of
-its own (the per-call tensors, the outputs, and for the backward what its weight gradients read but the weights).
-The cache keeps the 64 most recently used graphs, within 1 GiB of those buffers; once 16 graphs have left it never
-replayed (more distinct token counts than it holds, each seen twice), it stops capturing.
+inference forward of at most 4096 tokens whose expert work T * K * H * I is at most `max_inference_macs`
+multiply-adds (MOK_GRAPH_INFERENCE_MACS, default 2^34: Zaya's or Granite-MoE's experts up to 4096 tokens,
+Qwen3-30B-A3B's up to 1365). Such a forward takes less GPU time than its launches take the host, and its graph keeps
+only copies of x and the output (2 * T * H elements). A training forward's graph would keep h too and its backward's
+more, per layer (about 280 MB a Granite-MoE layer at 4096 tokens), so those stay at few tokens
+(benchmarks/NOTES-gpu.md v67). Also: Triton's fast launch path usable (no profiler hooks), and no capture under way
+on this stream: `mode="reduce-overhead"` captures the op in inductor's own graph. A signature is captured on its
+second call; one whose capture failed is not tried again. Memory: the graphs of one device and stream share one
+pool, so their intermediates take the largest graph's (tens of MB at 512 tokens), not the sum; each graph also keeps
+its buffers of its own (the per-call tensors, the outputs, and for the backward what its weight gradients read but
+the weights). The cache keeps the 64 most recently used graphs, within 1 GiB of those buffers; once 16 graphs have
+left it never replayed (more distinct token counts than it holds, each seen twice), it stops capturing.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ max_tokens = int(os.environ.get("MOK_GRAPH_TOKENS", DEFAULT_TOKENS))
 # 0.2 ms of GPU time on an H100, less than its launches' host time; NOTES-gpu.md v67).
 DEFAULT_INFERENCE_MACS = 1 << 34
 max_inference_macs = int(os.environ.get("MOK_GRAPH_INFERENCE_MACS", DEFAULT_INFERENCE_MACS))
+# ... and of at most this many tokens: the copies of x and the output grow with T * H, which the work bound alone
+# would let grow without limit as the experts shrink (4096: the most measured, NOTES v67).
+MAX_INFERENCE_TOKENS = 4096
 _MAX_GRAPHS = 64
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
 _MAX_SEEN = 1024
@@ -125,10 +128,16 @@ def _like_aligned(x):
 def eligible(x, macs=None) -> bool:
     """Whether a call whose first tensor is `x` may be replayed from a graph (see the module docstring); `macs`: its
     expert work where it is an inference forward."""
-    T = x.shape[0]
-    return (0 < T and max_tokens > 0 and (T <= max_tokens or (macs is not None and macs <= max_inference_macs))
-            and x.is_cuda and x.get_device() == torch._C._cuda_getDevice()
+    return (within_bounds(x.shape[0], macs) and x.is_cuda and x.get_device() == torch._C._cuda_getDevice()
             and launch.fast_launch and not launch._hooks_set() and not torch.cuda.is_current_stream_capturing())
+
+
+def within_bounds(T: int, macs=None) -> bool:
+    """The size rule of `eligible`: 1 to `max_tokens` tokens (none when it is 0), or past that an inference forward
+    (`macs`, its T * K * H * I, given) of at most `MAX_INFERENCE_TOKENS` tokens and `max_inference_macs`."""
+    if T <= 0 or max_tokens <= 0:
+        return False
+    return T <= max_tokens or (macs is not None and T <= MAX_INFERENCE_TOKENS and macs <= max_inference_macs)
 
 
 class GraphCache:

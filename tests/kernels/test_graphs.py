@@ -557,3 +557,17 @@ def test_graphs_past_the_byte_bound_are_dropped_oldest_first(stub_cache):
     assert cache.call(_run([]), (xs[3],), ())[0] == "replayed"
     cache.call(_run([]), (xs[0],), ())  # dropped, and seen before: captured again
     assert len(_StubGraph.made) == 5 and len(cache) == 2 and cache._bytes == 200
+
+
+def test_the_size_rule(monkeypatch):
+    """1 to max_tokens tokens; past that only an inference forward (its work given) within both of its bounds; none
+    at all with max_tokens 0."""
+    monkeypatch.setattr(graphs, "max_tokens", 512)
+    monkeypatch.setattr(graphs, "max_inference_macs", 1 << 34)
+    within = graphs.within_bounds
+    assert within(1) and within(512) and within(512, 1 << 40)
+    assert not within(0) and not within(513) and not within(0, 1)
+    assert within(513, 1 << 34) and within(graphs.MAX_INFERENCE_TOKENS, 1)
+    assert not within(513, (1 << 34) + 1) and not within(graphs.MAX_INFERENCE_TOKENS + 1, 1)
+    monkeypatch.setattr(graphs, "max_tokens", 0)
+    assert not within(1) and not within(513, 1)
