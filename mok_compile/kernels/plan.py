@@ -37,6 +37,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import launch
 
 enabled = os.environ.get("MOK_LAUNCH_PLAN", "1") != "0"
+# MOK_DIRECT_LAUNCH=0 (read at import) or `plan.direct_launch = False`: replays launch through `kernel.run`, not
+# through Triton's C launch function directly (`_DirectLaunch`).
+direct_launch = os.environ.get("MOK_DIRECT_LAUNCH", "1") != "0"
 
 # Environment switches the kernels' Python reads per call (configs.py, moe.py, router_gemm.py, library.py).
 SWITCHES = ("MOK_TMA", "MOK_GROUP_M", "MOK_HALF_TAIL", "MOK_GEMM_ENGINE", "MOK_ROUTER_GEMM",
@@ -209,7 +212,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def on_launch(self, kernel, grid, values):
-        self._append(lambda: _LaunchStep(kernel, grid, [self.slot_of(v) for v in values]))
+        self._append(lambda: _LaunchStep(kernel, grid, [self.slot_of(v) for v in values], values))
 
     def on_effect(self, effect, tensor):
         self._append(lambda: _EffectStep(effect, self.slot_of(tensor).index))
@@ -268,15 +271,115 @@ def effect(fn, tensor):
 
 
 class _LaunchStep:
-    __slots__ = ("kernel", "grid", "values", "tensor_at", "desc_at")
+    __slots__ = ("kernel", "grid", "values", "tensor_at", "desc_at", "direct")
 
-    def __init__(self, kernel, grid, values):
+    def __init__(self, kernel, grid, values, given):
         n = len(grid)
         self.kernel = kernel
         self.grid = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         self.tensor_at = [(i, v.index) for i, v in enumerate(values) if isinstance(v, _Slot)]
         self.desc_at = [(i, v) for i, v in enumerate(values) if isinstance(v, _Desc)]
         self.values = [None if isinstance(v, (_Slot, _Desc)) else v for v in values]
+        self.direct = _DirectLaunch.of(kernel, values, given)
+
+
+class _DirectLaunch:
+    """A recorded launch through the C function of Triton's launcher, skipping its Python wrappers.
+
+    `kernel.run(grid, stream, ...)` goes through Triton's `CudaLauncher.__call__` (scratch buffers) and, for a kernel
+    with host-side tensor descriptors, a wrapper that encodes each descriptor's TMA map (a driver call) on every
+    launch: about 3 us a launch, and 10 more per descriptor (benchmarks/NOTES-gpu.md v68). A descriptor's map is a
+    function of its tensor's address and of what the signature fixes (shape, strides, box, dtype), so the replay keeps
+    the expanded arguments of each descriptor by address and calls the C function with what the wrappers would pass
+    it. Only where that is exactly what they do: no scratch buffers, descriptors lowered to TMA maps (Triton's
+    `tensordesc_meta`), and a launcher laid out as Triton 3.6's; any other kernel launches through `kernel.run`."""
+
+    __slots__ = ("fn", "lead", "values", "tensor_at", "desc_at")
+
+    @classmethod
+    def of(cls, kernel, values, given):
+        """`values`: the launch's arguments as recorded (slots), `given`: as the call gave them."""
+        try:
+            return cls(kernel, values, given)
+        except _NotDirect:
+            return None
+
+    def __init__(self, kernel, values, given):
+        run = getattr(kernel, "run", None)
+        if (getattr(driver_module(), "_BASE_ARGS_FORMAT", None) != _C_LAUNCH_LEAD
+                or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0
+                or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+            raise _NotDirect
+        fn, desc_meta = _c_launch(run.launch)
+        desc_at = [i for i, v in enumerate(values) if isinstance(v, _Desc)]
+        if sorted(desc_meta) != desc_at or any(meta is None for meta in desc_meta.values()):
+            raise _NotDirect
+        self.fn = fn
+        self.lead = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
+                     None, None, None)
+        # The values with each descriptor expanded in place: its TMA map (looked up per call), then its shape and
+        # strides, as Triton's `make_tensordesc_arg` returns them.
+        self.values, self.tensor_at, self.desc_at = [], [], []
+        for i, v in enumerate(values):
+            if isinstance(v, _Desc):
+                tma, *geometry = driver_module().make_tensordesc_arg(given[i], desc_meta[i])
+                self.desc_at.append((len(self.values), v, desc_meta[i], {given[i].base.data_ptr(): tma}))
+                self.values.extend([None, *geometry])
+            elif isinstance(v, _Slot):
+                self.tensor_at.append((len(self.values), v.index))
+                self.values.append(None)
+            else:
+                self.values.append(v)
+
+    def launch(self, grid, slots, stream):
+        values = list(self.values)
+        for i, index in self.tensor_at:
+            values[i] = slots[index]
+        for i, d, meta, maps in self.desc_at:
+            base = slots[d.slot]
+            ptr = base.data_ptr()
+            tma = maps.get(ptr)
+            if tma is None:
+                if len(maps) >= _MAX_MAPS:
+                    maps.clear()
+                desc = TensorDescriptor(base, d.shape, d.strides, d.block_shape, d.padding)
+                tma = maps[ptr] = driver_module().make_tensordesc_arg(desc, meta)[0]
+            values[i] = tma
+        self.fn(*grid, stream, *self.lead, *values)
+
+
+# The C launch function's leading arguments, as Triton 3.6 lays them out (grid, stream, function, cooperative, PDL,
+# two scratch buffers, metadata, launch metadata, two hooks): another layout launches through `kernel.run`.
+_C_LAUNCH_LEAD = "iiiKKppOOOOOO"
+_MAX_MAPS = 8  # TMA maps kept per descriptor argument of a step (by address: a weight's, or a reused buffer's)
+
+
+class _NotDirect(Exception):
+    """A kernel that `_DirectLaunch` cannot launch exactly as `kernel.run` does."""
+
+
+def _c_launch(launch_fn):
+    """(the C launch function, {argument position: its TMA metadata} of the host-side descriptors it is given) of a
+    Triton launcher's `launch`: itself where the kernel takes no descriptors, else the function Triton 3.6's
+    `wrap_handle_tensordesc` closes over."""
+    code = getattr(launch_fn, "__code__", None)
+    if code is None:  # the C function itself: no descriptor arguments
+        return launch_fn, {}
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch_fn.__closure__ or ())))
+    try:
+        fn, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
+    except KeyError:
+        raise _NotDirect from None
+    if len(cells) != 3 or getattr(fn, "__code__", None) is not None or len(metas) != len(indices):
+        raise _NotDirect
+    return fn, dict(zip(sorted(indices), metas))
+
+
+def driver_module():
+    """Triton's NVIDIA driver module (its `make_tensordesc_arg` encodes a descriptor's TMA map)."""
+    from triton.backends.nvidia import driver
+
+    return driver
 
 
 _ANY = object()
@@ -422,6 +525,9 @@ class Plan:
 
 
 def _launch(step, slots, stream):
+    if step.direct is not None and direct_launch:
+        step.direct.launch(step.grid, slots, stream)
+        return
     values = list(step.values)
     for i, index in step.tensor_at:
         values[i] = slots[index]

@@ -235,7 +235,8 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     for path in [*root.glob("*.py"), root.parent / "ops" / "library.py"]:
         read |= set(re.findall(r"os\.environ\.get\(\"([A-Z_]+)\"", path.read_text()))
     # read once, into module variables the plan and graph caches check
-    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN", "MOK_GRAPH_TOKENS", "MOK_GRAPH_INFERENCE_MACS"}
+    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN", "MOK_DIRECT_LAUNCH", "MOK_GRAPH_TOKENS",
+                 "MOK_GRAPH_INFERENCE_MACS"}
     at_import.add("MOK_BUILD_DIR")  # where gate_up_sm90.py builds its library, once: no launch depends on it
     assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)
     assert "MOK_TMA" in read  # the pattern finds them
@@ -269,6 +270,10 @@ def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans
     for seed in (1, 2):  # seen once, then recorded
         step(inputs(seed))
     assert len(moe._FORWARD_PLANS._plans) == 2 and len(moe._BACKWARD_PLANS._plans) == 3
+    launches = [s[1] for c in (moe._FORWARD_PLANS, moe._BACKWARD_PLANS) for p in c._plans.values() for s in p.steps
+                if s[0] == plan._LAUNCH]
+    # every Triton launch replays through the C launch function directly (`plan._DirectLaunch`)
+    assert launches and not [s.kernel.name for s in launches if s.direct is None]
     tensors = inputs(3)
     replayed, replayed_h = step(tensors)
     plan.enabled = False
