@@ -229,9 +229,11 @@ class _Recorder(TorchDispatchMode):
 
 
 class _OpStep:
-    __slots__ = ("func", "args", "kwargs", "out_slots", "flat")
+    __slots__ = ("func", "args", "kwargs", "out_slots", "flat", "mutable")
 
     def __init__(self, func, args, kwargs):
+        schema = getattr(func, "_schema", None)
+        self.mutable = schema is None or schema.is_mutable
         # An aten overload called from Python costs ~3x its public function (13 against 5 us for an empty on
         # the CPU): the ops the kernels' Python makes replay through the latter (`_FAST`), the rest as recorded.
         fast = _FAST.get(func)
@@ -280,7 +282,7 @@ class _LaunchStep:
         self.tensor_at = [(i, v.index) for i, v in enumerate(values) if isinstance(v, _Slot)]
         self.desc_at = [(i, v) for i, v in enumerate(values) if isinstance(v, _Desc)]
         self.values = [None if isinstance(v, (_Slot, _Desc)) else v for v in values]
-        self.direct = _DirectLaunch.of(kernel, values, given)
+        self.direct = _DirectLaunch.of(kernel, self.grid, values, given)
 
 
 class _DirectLaunch:
@@ -294,17 +296,17 @@ class _DirectLaunch:
     it. Only where that is exactly what they do: no scratch buffers, descriptors lowered to TMA maps (Triton's
     `tensordesc_meta`), and a launcher laid out as Triton 3.6's; any other kernel launches through `kernel.run`."""
 
-    __slots__ = ("fn", "lead", "values", "tensor_at", "desc_at")
+    __slots__ = ("fn", "args", "tensor_at", "desc_at")
 
     @classmethod
-    def of(cls, kernel, values, given):
+    def of(cls, kernel, grid, values, given):
         """`values`: the launch's arguments as recorded (slots), `given`: as the call gave them."""
         try:
-            return cls(kernel, values, given)
+            return cls(kernel, grid, values, given)
         except _NotDirect:
             return None
 
-    def __init__(self, kernel, values, given):
+    def __init__(self, kernel, grid, values, given):
         run = getattr(kernel, "run", None)
         if (getattr(driver_module(), "_BASE_ARGS_FORMAT", None) != _C_LAUNCH_LEAD
                 or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0
@@ -315,26 +317,28 @@ class _DirectLaunch:
         if sorted(desc_meta) != desc_at or any(meta is None for meta in desc_meta.values()):
             raise _NotDirect
         self.fn = fn
-        self.lead = (kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None, kernel.packed_metadata,
-                     None, None, None)
-        # The values with each descriptor expanded in place: its TMA map (looked up per call), then its shape and
-        # strides, as Triton's `make_tensordesc_arg` returns them.
-        self.values, self.tensor_at, self.desc_at = [], [], []
+        # The C function's arguments: the grid, the stream (per call), the kernel and its launch options, then the
+        # values with each descriptor expanded in place: its TMA map (per call), then its shape and strides, as
+        # Triton's `make_tensordesc_arg` returns them.
+        self.args = [*grid, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                     kernel.packed_metadata, None, None, None]
+        self.tensor_at, self.desc_at = [], []
         for i, v in enumerate(values):
             if isinstance(v, _Desc):
                 tma, *geometry = driver_module().make_tensordesc_arg(given[i], desc_meta[i])
-                self.desc_at.append((len(self.values), v, desc_meta[i], {given[i].base.data_ptr(): tma}))
-                self.values.extend([None, *geometry])
+                self.desc_at.append((len(self.args), v, desc_meta[i], {given[i].base.data_ptr(): tma}))
+                self.args.extend([None, *geometry])
             elif isinstance(v, _Slot):
-                self.tensor_at.append((len(self.values), v.index))
-                self.values.append(None)
+                self.tensor_at.append((len(self.args), v.index))
+                self.args.append(None)
             else:
-                self.values.append(v)
+                self.args.append(v)
 
-    def launch(self, grid, slots, stream):
-        values = list(self.values)
+    def launch(self, slots, stream):
+        args = self.args.copy()
+        args[3] = stream
         for i, index in self.tensor_at:
-            values[i] = slots[index]
+            args[i] = slots[index]
         for i, d, meta, maps in self.desc_at:
             base = slots[d.slot]
             ptr = base.data_ptr()
@@ -344,8 +348,8 @@ class _DirectLaunch:
                     maps.clear()
                 desc = TensorDescriptor(base, d.shape, d.strides, d.block_shape, d.padding)
                 tma = maps[ptr] = driver_module().make_tensordesc_arg(desc, meta)[0]
-            values[i] = tma
-        self.fn(*grid, stream, *self.lead, *values)
+            args[i] = tma
+        self.fn(*args)
 
 
 # The C launch function's leading arguments, as Triton 3.6 lays them out (grid, stream, function, cooperative, PDL,
@@ -417,6 +421,39 @@ def _no_kwargs(fast):
     return lambda args, kwargs: None if kwargs else fast
 
 
+def _tensors_only(fast):
+    """`fast` for a call whose arguments are all tensors (a None or a scalar among them is not dropped)."""
+    return lambda args, kwargs: None if kwargs or not all(type(v) is _Slot for v in args) else fast
+
+
+def _fast_transpose(args, kwargs):
+    if kwargs or len(args) != 3:
+        return None
+    _, dim0, dim1 = args
+    return lambda t: t.transpose(dim0, dim1)
+
+
+def _fast_reshape(args, kwargs):
+    if kwargs or len(args) != 2:
+        return None
+    shape = args[1]
+    return lambda t: t.reshape(shape)
+
+
+def _fast_to_dtype(args, kwargs):
+    if len(args) != 2 or not _only(kwargs, non_blocking=(False,), copy=(False,), memory_format=(None,)):
+        return None
+    dtype = args[1]
+    return lambda t: t.to(dtype)
+
+
+def _fast_new_empty(args, kwargs):
+    if len(args) != 2 or not _only(kwargs, dtype=(None,), layout=(None,), device=(None,), pin_memory=(None, False)):
+        return None
+    size = args[1]
+    return lambda t: t.new_empty(size)
+
+
 _FAST = {
     torch.ops.aten.empty.memory_format: _fast_empty,
     torch.ops.aten.empty_like.default: _fast_empty_like,
@@ -425,7 +462,16 @@ _FAST = {
     torch.ops.aten.t.default: _no_kwargs(torch.Tensor.t),
     torch.ops.aten.mm.default: _no_kwargs(torch.mm),
     torch.ops.aten.addmm.default: _no_kwargs(torch.addmm),
+    torch.ops.aten.linear.default: _tensors_only(torch.nn.functional.linear),
+    torch.ops.aten.matmul.default: _tensors_only(torch.matmul),
+    torch.ops.aten.contiguous.default: _tensors_only(torch.Tensor.contiguous),
+    torch.ops.aten.transpose.int: _fast_transpose,
+    torch.ops.aten.reshape.default: _fast_reshape,
+    torch.ops.aten.to.dtype: _fast_to_dtype,
+    torch.ops.aten.new_empty.default: _fast_new_empty,
 }
+if hasattr(torch, "_grouped_mm"):  # (torch >= 2.8)
+    _FAST[torch.ops.aten._grouped_mm.default] = _tensors_only(torch._grouped_mm)
 
 
 def _fill(template, slots):
@@ -444,7 +490,7 @@ class Plan:
         #   (_EFFECT, fn, slot)  a side effect the normal path made through `effect`
         self.steps = []
         n_slots = n_inputs
-        flat, spec = tree_flatten(result)
+        flat = tree_flatten(result)[0]
         kept = {v.index for v in flat if type(v) is _Slot}
         for step in steps:
             if type(step) is _LaunchStep:
@@ -454,6 +500,11 @@ class Plan:
                 self.steps.append((_EFFECT, step.effect, step.slot))
                 continue
             one_new = step.out_slots == [n_slots]
+            if not step.mutable and step.out_slots and all(index < n_slots for index in step.out_slots) and set(
+                    step.out_slots) <= {v.index for v in tree_flatten((step.args, step.kwargs))[0] if type(v) is _Slot}:
+                # An op that returned its own input (`to` a dtype it has, `contiguous` of a contiguous tensor): it
+                # does so again on a call of the same signature, which fixes dtypes and strides. Nothing to replay.
+                continue
             n_slots += sum(index >= n_slots for index in step.out_slots)
             if one_new and step.func is torch.Tensor.detach and step.flat and n_slots - 1 not in kept:
                 # (a detach returned to the caller stays a detach: it must not carry the input's autograd state)
@@ -472,10 +523,11 @@ class Plan:
         for index, k in last.items():
             if index >= n_inputs and index not in kept:
                 self.release[k].append(index)
-        self.result_slots = [v.index if type(v) is _Slot else v for v in flat]
-        self.result_is_slots = [type(v) is _Slot for v in flat]
-        self.result_tuple = isinstance(result, tuple) and all(self.result_is_slots) and spec == tree_flatten(
-            tuple(flat))[1]
+        # A flat tuple of tensors and constants (the entry points' results, Nones among them) is rebuilt by a
+        # comprehension: tree_map costs ~20 us per call.
+        self.result_items = None
+        if type(result) is tuple and not any(isinstance(v, (list, tuple, dict)) for v in result):
+            self.result_items = [(type(v) is _Slot, v.index if type(v) is _Slot else v) for v in result]
         self.result = result
 
     @classmethod
@@ -519,14 +571,14 @@ class Plan:
                 _run_op(step[1], slots)
             for index in release:
                 slots[index] = None
-        if self.result_tuple:
-            return tuple([slots[i] for i in self.result_slots])
+        if self.result_items is not None:
+            return tuple([slots[v] if is_slot else v for is_slot, v in self.result_items])
         return _fill(self.result, slots)
 
 
 def _launch(step, slots, stream):
     if step.direct is not None and direct_launch:
-        step.direct.launch(step.grid, slots, stream)
+        step.direct.launch(slots, stream)
         return
     values = list(step.values)
     for i, index in step.tensor_at:

@@ -426,3 +426,27 @@ def test_an_unhashable_option_runs_the_normal_path(stubbed):
         out = cache.call(lambda: runs.append(1) or x * 2, (x,), ([1, 2],))
         assert torch.equal(out, x * 2)
     assert len(runs) == 3 and not cache._plans and not cache._seen
+
+
+def test_composite_ops_replay_through_their_public_functions_and_no_op_conversions_are_skipped():
+    """Below autograd (where the op's kernels run) composite ops reach the recorder whole: each replays through its
+    public function, one that returned its own input (a conversion to the dtype it has) is not replayed, and an
+    in-place op, which also returns its input, still is."""
+    x, w = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
+
+    def run():
+        with torch._C._AutoDispatchBelowAutograd():
+            a = x.to(torch.bfloat16).contiguous()  # both return x itself
+            c = a.to(torch.float32)
+            c.add_(1.0)
+            return (c.transpose(0, 1).reshape(-1), x.new_empty((0, 3)), torch.matmul(c, c.t()),
+                    torch.nn.functional.linear(a, w))
+
+    recorded, normal = plan.Plan.record(run, (x, w))
+    kinds = [step[0] for step in recorded.steps]
+    assert kinds.count(plan._OP) == 1 and len(kinds) == 8, kinds  # add_ as recorded; 7 ops through public functions
+    for x_new in (x, torch.randn_like(x)):
+        x = x_new
+        replayed, again = recorded.replay((x, w)), run()
+        for r, n in zip(replayed, again, strict=True):
+            assert r.shape == n.shape and r.dtype == n.dtype and torch.equal(r, n)
