@@ -440,6 +440,13 @@ def _fast_reshape(args, kwargs):
     return lambda t: t.reshape(shape)
 
 
+def _fast_view(args, kwargs):
+    if kwargs or len(args) != 2 or not isinstance(args[1], (list, tuple)):  # (view(dtype) is another overload)
+        return None
+    shape = args[1]
+    return lambda t: t.view(shape)
+
+
 def _fast_to_dtype(args, kwargs):
     if len(args) != 2 or not _only(kwargs, non_blocking=(False,), copy=(False,), memory_format=(None,)):
         return None
@@ -467,6 +474,7 @@ _FAST = {
     torch.ops.aten.contiguous.default: _tensors_only(torch.Tensor.contiguous),
     torch.ops.aten.transpose.int: _fast_transpose,
     torch.ops.aten.reshape.default: _fast_reshape,
+    torch.ops.aten.view.default: _fast_view,
     torch.ops.aten.to.dtype: _fast_to_dtype,
     torch.ops.aten.new_empty.default: _fast_new_empty,
 }

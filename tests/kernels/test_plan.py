@@ -440,11 +440,11 @@ def test_composite_ops_replay_through_their_public_functions_and_no_op_conversio
             c = a.to(torch.float32)
             c.add_(1.0)
             return (c.transpose(0, 1).reshape(-1), x.new_empty((0, 3)), torch.matmul(c, c.t()),
-                    torch.nn.functional.linear(a, w))
+                    torch.nn.functional.linear(a, w), c.view(3, 4))
 
     recorded, normal = plan.Plan.record(run, (x, w))
     kinds = [step[0] for step in recorded.steps]
-    assert kinds.count(plan._OP) == 1 and len(kinds) == 8, kinds  # add_ as recorded; 7 ops through public functions
+    assert kinds.count(plan._OP) == 1 and len(kinds) == 9, kinds  # add_ as recorded; 8 ops through public functions
     for x_new in (x, torch.randn_like(x)):
         x = x_new
         replayed, again = recorded.replay((x, w)), run()
