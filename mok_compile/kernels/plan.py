@@ -313,8 +313,8 @@ class _DirectLaunch:
                 or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
             raise _NotDirect
         fn, desc_meta = _c_launch(run.launch)
-        desc_at = [i for i, v in enumerate(values) if isinstance(v, _Desc)]
-        if sorted(desc_meta) != desc_at or any(meta is None for meta in desc_meta.values()):
+        if sorted(desc_meta) != [i for i, v in enumerate(values) if isinstance(v, _Desc)] or any(
+                meta is None for meta in desc_meta.values()):
             raise _NotDirect
         self.fn = fn
         # The C function's arguments: the grid, the stream (per call), the kernel and its launch options, then the
@@ -426,39 +426,16 @@ def _tensors_only(fast):
     return lambda args, kwargs: None if kwargs or not all(type(v) is _Slot for v in args) else fast
 
 
-def _fast_transpose(args, kwargs):
-    if kwargs or len(args) != 3:
-        return None
-    _, dim0, dim1 = args
-    return lambda t: t.transpose(dim0, dim1)
+def _fast_method(method, n_args, **allowed):
+    """`method(t, *the recorded arguments after t)` for an op called with `n_args` positional arguments, the first its
+    only tensor, and keyword arguments only among `allowed` (name: the values it may have)."""
+    def fast(args, kwargs):
+        if len(args) != n_args or not _only(kwargs, **allowed):
+            return None
+        rest = args[1:]
+        return lambda t: method(t, *rest)
 
-
-def _fast_reshape(args, kwargs):
-    if kwargs or len(args) != 2:
-        return None
-    shape = args[1]
-    return lambda t: t.reshape(shape)
-
-
-def _fast_view(args, kwargs):
-    if kwargs or len(args) != 2 or not isinstance(args[1], (list, tuple)):  # (view(dtype) is another overload)
-        return None
-    shape = args[1]
-    return lambda t: t.view(shape)
-
-
-def _fast_to_dtype(args, kwargs):
-    if len(args) != 2 or not _only(kwargs, non_blocking=(False,), copy=(False,), memory_format=(None,)):
-        return None
-    dtype = args[1]
-    return lambda t: t.to(dtype)
-
-
-def _fast_new_empty(args, kwargs):
-    if len(args) != 2 or not _only(kwargs, dtype=(None,), layout=(None,), device=(None,), pin_memory=(None, False)):
-        return None
-    size = args[1]
-    return lambda t: t.new_empty(size)
+    return fast
 
 
 _FAST = {
@@ -472,11 +449,13 @@ _FAST = {
     torch.ops.aten.linear.default: _tensors_only(torch.nn.functional.linear),
     torch.ops.aten.matmul.default: _tensors_only(torch.matmul),
     torch.ops.aten.contiguous.default: _tensors_only(torch.Tensor.contiguous),
-    torch.ops.aten.transpose.int: _fast_transpose,
-    torch.ops.aten.reshape.default: _fast_reshape,
-    torch.ops.aten.view.default: _fast_view,
-    torch.ops.aten.to.dtype: _fast_to_dtype,
-    torch.ops.aten.new_empty.default: _fast_new_empty,
+    torch.ops.aten.transpose.int: _fast_method(torch.Tensor.transpose, 3),
+    torch.ops.aten.reshape.default: _fast_method(torch.Tensor.reshape, 2),
+    torch.ops.aten.view.default: _fast_method(torch.Tensor.view, 2),  # (view(dtype) is another overload)
+    torch.ops.aten.to.dtype: _fast_method(torch.Tensor.to, 2, non_blocking=(False,), copy=(False,),
+                                          memory_format=(None,)),
+    torch.ops.aten.new_empty.default: _fast_method(torch.Tensor.new_empty, 2, dtype=(None,), layout=(None,),
+                                                   device=(None,), pin_memory=(None, False)),
 }
 if hasattr(torch, "_grouped_mm"):  # (torch >= 2.8)
     _FAST[torch.ops.aten._grouped_mm.default] = _tensors_only(torch._grouped_mm)
@@ -508,8 +487,8 @@ class Plan:
                 self.steps.append((_EFFECT, step.effect, step.slot))
                 continue
             one_new = step.out_slots == [n_slots]
-            if not step.mutable and step.out_slots and all(index < n_slots for index in step.out_slots) and set(
-                    step.out_slots) <= {v.index for v in tree_flatten((step.args, step.kwargs))[0] if type(v) is _Slot}:
+            if (not step.mutable and step.out_slots and all(index < n_slots for index in step.out_slots)
+                    and set(step.out_slots) <= set(_op_reads(step))):
                 # An op that returned its own input (`to` a dtype it has, `contiguous` of a contiguous tensor): it
                 # does so again on a call of the same signature, which fixes dtypes and strides. Nothing to replay.
                 continue
@@ -620,5 +599,9 @@ def _reads(step) -> list:
         return [step[2]]
     if kind is _LAUNCH:
         return [index for _, index in step[1].tensor_at] + [d.slot for _, d in step[1].desc_at]
-    op = step[1]
+    return _op_reads(step[1])
+
+
+def _op_reads(op) -> list:
+    """The slots an `_OpStep` reads."""
     return [v.index for v in tree_flatten((op.args, op.kwargs))[0] if type(v) is _Slot]
