@@ -30,8 +30,11 @@ on this stream: `mode="reduce-overhead"` captures the op in inductor's own graph
 second call; one whose capture failed is not tried again. Memory: the graphs of one device and stream share one
 pool, so their intermediates take the largest graph's (tens of MB at 512 tokens), not the sum; each graph also keeps
 its buffers of its own (the per-call tensors, the outputs, and for the backward what its weight gradients read but
-the weights). The cache keeps the 64 most recently used graphs, within 1 GiB of those buffers; once 16 graphs have
-left it never replayed (more distinct token counts than it holds, each seen twice), it stops capturing.
+the weights). The cache keeps at most 512 graphs within 1 GiB of those buffers. A model's layers call it in turn,
+one graph each, so a model with more layers than fit would, with least-recently-used eviction, evict every graph
+before its next call and never replay one. So a graph makes room only by evicting graphs gone stale (no call in the
+last 4 * 512 calls); while the graphs in use fill the cache, the other calls run from launch plans. Once 16 graphs
+have left it never replayed (more distinct token counts than it holds, each seen twice), it stops capturing.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ max_inference_macs = int(os.environ.get("MOK_GRAPH_INFERENCE_MACS", DEFAULT_INFE
 # ... and of at most this many tokens: the copies of x and the output grow with T * H, which the work bound alone
 # would let grow without limit as the experts shrink (4096: the most measured, NOTES v67).
 MAX_INFERENCE_TOKENS = 4096
-_MAX_GRAPHS = 64
+_MAX_GRAPHS = 512  # a graph per layer and token count: Qwen3-235B has 94 layers
+_STALE = 4  # a graph no call has used in the last _STALE * max_graphs calls may be evicted for another
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
 _MAX_SEEN = 1024
 _MAX_BYTES = 1 << 30  # what a cache's graphs keep of their own (inputs, outputs, the tensors `finish` holds)
@@ -67,7 +71,7 @@ class _Graph:
     """One captured call: its input buffers, its graph, the outputs the graph writes, and what runs after each
     replay (`finish`: launches that write new tensors, the backward's weight gradients)."""
 
-    __slots__ = ("inputs", "copied", "graph", "outputs", "finish", "plan", "nbytes", "hits")
+    __slots__ = ("inputs", "copied", "graph", "outputs", "finish", "plan", "nbytes", "hits", "last")
 
     def __init__(self, capture, tensors, copied, stream, pool):
         current = torch.cuda.current_stream(tensors[0].device)
@@ -92,6 +96,7 @@ class _Graph:
         self.nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                            for t in kept if t is not None}.values())
         self.hits = 0  # calls served after the capturing one
+        self.last = 0  # the cache's call count at its last use
 
     def replay(self, tensors):
         for i, buf in zip(self.copied, self.inputs):
@@ -149,9 +154,11 @@ class GraphCache:
         self._copied = tuple(copied)
         self._graphs = collections.OrderedDict()
         self._seen = collections.OrderedDict()  # key -> True (seen once) or False (its capture failed)
+        self._sizes = collections.OrderedDict()  # signature -> the bytes its last capture kept
         self._pools = {}
         self._streams = {}
         self._max, self._max_bytes, self._bytes = max_graphs, max_bytes, 0
+        self._calls = 0  # eligible calls so far: the clock that tells a stale graph
         self._lock = threading.Lock()
         self.unused = 0  # graphs evicted before serving a call after their capture
 
@@ -169,6 +176,7 @@ class GraphCache:
         x = tensors[0]
         if not eligible(x, macs):
             return run(*tensors)
+        self._calls += 1
         try:
             stream = torch._C._cuda_getCurrentRawStream(x.device.index)
             copied = self._copied + tuple(also_copied)
@@ -184,6 +192,7 @@ class GraphCache:
                 if key in self._graphs:  # (not evicted by another thread since)
                     self._graphs.move_to_end(key)
                 graph.hits += 1
+                graph.last = self._calls
                 return graph.replay(tensors)
         seen = self._seen.get(key)
         if seen is None or seen is False or self.unused >= _MAX_UNUSED:
@@ -192,6 +201,8 @@ class GraphCache:
                 plan._remember(self._seen, key, True, _MAX_SEEN)
             return out
         with self._lock:
+            if not self._make_room(1, self._sizes.get(key[0], 0)):  # the graphs in use fill the cache
+                return run(*tensors)
             try:
                 graph = _Graph(capture or (lambda *t: (run(*t), None)), tensors, copied, self._stream(x.device),
                                self._pool(x.device, stream))
@@ -200,16 +211,32 @@ class GraphCache:
                             "that signature runs without one", x.shape[0], type(err).__name__, err)
                 self._seen[key] = False
                 return run(*tensors)
+            plan._remember(self._sizes, key[0], graph.nbytes, _MAX_SEEN)
+            graph.last = self._calls
             self._graphs[key] = graph
             self._bytes += graph.nbytes
-            while len(self._graphs) > self._max or (self._bytes > self._max_bytes and len(self._graphs) > 1):
-                _, old = self._graphs.popitem(last=False)
-                self._bytes -= old.nbytes
-                self.unused += old.hits == 0
+            if not self._make_room(0, 0):  # larger than the room made for it: not kept (its signature's size is
+                self._bytes -= self._graphs.pop(key).nbytes  # known now, so the next such call is not captured)
             if self.unused >= _MAX_UNUSED:
                 log.info("mok_compile: %d CUDA graphs left the cache unreplayed; no more calls are captured",
                          self.unused)
             return graph.replay(tensors)
+
+    def _make_room(self, graphs: int, nbytes: int) -> bool:
+        """Evict stale graphs, least recently used first, until `graphs` more graphs of `nbytes` in all fit (one
+        graph alone always does); False where a graph in use would have to go."""
+        while self._graphs and (len(self._graphs) + graphs > self._max
+                                or self._bytes + nbytes > self._max_bytes and len(self._graphs) + graphs > 1):
+            key, oldest = next(iter(self._graphs.items()))
+            if self._calls - oldest.last <= _STALE * self._max:
+                return False
+            self._evict(key)
+        return True
+
+    def _evict(self, key):
+        graph = self._graphs.pop(key)
+        self._bytes -= graph.nbytes
+        self.unused += graph.hits == 0
 
     def _stream(self, device):
         """The side stream captures run on, one per device."""
@@ -239,5 +266,6 @@ class GraphCache:
         self._graphs.clear()
         self._bytes = 0
         self._seen.clear()
+        self._sizes.clear()
         self._pools.clear()
         self.unused = 0

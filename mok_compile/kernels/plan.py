@@ -355,7 +355,10 @@ class _DirectLaunch:
 # The C launch function's leading arguments, as Triton 3.6 lays them out (grid, stream, function, cooperative, PDL,
 # two scratch buffers, metadata, launch metadata, two hooks): another layout launches through `kernel.run`.
 _C_LAUNCH_LEAD = "iiiKKppOOOOOO"
-_MAX_MAPS = 8  # TMA maps kept per descriptor argument of a step (by address: a weight's, or a reused buffer's)
+# TMA maps kept per descriptor argument of a step, by address: one per layer's weight (a plan serves every layer of
+# its signature, in turn: fewer maps than layers would encode one on every launch; Qwen3-235B has 94 layers) and
+# the reused buffers' few. 128 bytes each.
+_MAX_MAPS = 256
 
 
 class _NotDirect(Exception):

@@ -83,6 +83,21 @@ def test_a_descriptor_map_is_encoded_once_per_address(maps, monkeypatch):
     assert [args[14][1] for args in log] == [b.data_ptr(), c.data_ptr(), b.data_ptr(), c.data_ptr(), c.data_ptr()]
 
 
+def test_a_map_per_layer_is_kept_across_a_deep_model(maps, monkeypatch):
+    """A plan serves every layer of its signature in turn, each with its own weight: a model deeper than the maps kept
+    would encode a map on every launch. 94 weights (Qwen3-235B's layers), cycled three times: one encoding each."""
+    log = []
+    a = torch.randn(8)
+    weights = [torch.randn(128, 32) for _ in range(94)]
+    step = _step(_Kernel(log), a, weights[0])
+    monkeypatch.setattr(plan, "direct_launch", True)
+    for _ in range(3):
+        for w in weights:
+            plan._launch(step, [a, w], 1234)
+    assert sorted(maps) == sorted(w.data_ptr() for w in weights)
+    assert [args[14][1] for args in log] == [w.data_ptr() for w in weights] * 3
+
+
 def test_a_kernel_without_descriptors_launches_directly(maps):
     log = []
     step = plan._LaunchStep(_Kernel(log, signature={"a_ptr": "*fp32", "n": "i32"}, meta=None), (4,),

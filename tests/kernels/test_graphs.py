@@ -387,18 +387,19 @@ def test_threads_on_one_stream_each_get_their_own_output(cache, monkeypatch):
 
 @pytest.mark.gpu
 def test_capturing_stops_once_graphs_leave_the_cache_unused(monkeypatch):
-    """More distinct token counts than the cache holds, each seen twice: every capture is evicted before a call
-    reuses it, and after `_MAX_UNUSED` of those the cache captures no more."""
+    """More distinct token counts than the cache holds, each seen twice: a capture makes room by evicting a graph
+    gone stale (no call in the last 4 * max_graphs calls), and after `_MAX_UNUSED` of those left never replayed
+    the cache captures no more."""
     from mok_compile.kernels import moe
 
     small = graphs.GraphCache(max_graphs=1)
     monkeypatch.setattr(moe, "FORWARD_GRAPHS", small)
     monkeypatch.setattr(graphs, "_MAX_UNUSED", 2)
-    for T in range(1, 6):
+    for T in range(1, 9):
         tensors, kw = make_case("qwen3", T=T, H=64, I=32, E=8, K=2, dtype=torch.bfloat16, device="cuda")
         for _ in range(2):
             _forward(tensors, kw)
-    assert small.unused == 2 and len(small) == 1  # T=1 and 2 evicted unused, T=3 kept; T=4 and 5 not captured
+    assert small.unused == 2 and len(small) == 1  # T=1 and 4 evicted unused, T=7 kept; the others not captured
 
 
 def test_the_copy_of_x_keeps_the_alignment_the_launches_read():
@@ -500,16 +501,30 @@ def test_a_call_that_raises_is_not_counted_as_seen(stub_cache):
     assert not _StubGraph.made
 
 
+def test_a_model_deeper_than_the_cache_keeps_the_graphs_it_has(stub_cache):
+    """Ten layers (ten weights) called in turn through a cache of four graphs: the first four layers keep theirs and
+    replay each step; the other six run as launched. Least-recently-used eviction would evict every graph before its
+    layer's next call, replaying none."""
+    cache = graphs.GraphCache(max_graphs=4)
+    x, layers = torch.randn(4, 8), [torch.randn(8, 8) for _ in range(10)]
+    steps = [[cache.call(_run([]), (x, w), ())[0] for w in layers] for _ in range(5)]
+    assert steps[0] == ["launched"] * 10 and steps[1] == ["replayed"] * 4 + ["launched"] * 6
+    assert steps[2:] == [["replayed"] * 4 + ["launched"] * 6] * 3
+    assert len(_StubGraph.made) == 4 and len(cache) == 4 and cache.unused == 0
+
+
 def test_the_cache_stops_capturing_after_unused_evictions(stub_cache, monkeypatch):
+    """Distinct token counts, each seen twice: a graph that went stale (no call in the last 4 * max_graphs calls)
+    makes room for the next capture, and after `_MAX_UNUSED` of them left never replayed the cache captures no
+    more."""
     monkeypatch.setattr(graphs, "_MAX_UNUSED", 2)
-    small = graphs.GraphCache(max_graphs=1)
-    xs = {T: torch.randn(T, 8) for T in range(1, 6)}
-    for x in xs.values():
-        for _ in range(2):
-            small.call(_run([]), (x,), ())
+    small = graphs.GraphCache(max_graphs=1)  # stale after 4 calls
+    xs = {T: torch.randn(T, 8) for T in range(1, 9)}
+    got = {T: [small.call(_run([]), (x,), ())[0] for _ in range(2)] for T, x in xs.items()}
+    assert [T for T, r in got.items() if r[1] == "replayed"] == [1, 4, 7]  # T=4 and 7 each evict a stale graph
     assert small.unused == 2 and len(small) == 1 and len(_StubGraph.made) == 3
-    assert small.call(_run([]), (xs[3],), ())[0] == "replayed"  # T=3's graph stays and still serves
-    assert small.call(_run([]), (xs[5],), ())[0] == "launched"  # T=5: seen twice, never captured
+    assert small.call(_run([]), (xs[7],), ())[0] == "replayed"  # T=7's graph stays and still serves
+    assert small.call(_run([]), (xs[8],), ())[0] == "launched"  # T=8: seen twice, never captured
 
 
 def fresh(*shape):
@@ -547,16 +562,18 @@ def test_tensors_a_call_also_copies_are_not_in_the_key(stub_cache):
     assert len(stub_cache) == 1
 
 
-def test_graphs_past_the_byte_bound_are_dropped_oldest_first(stub_cache):
-    cache = graphs.GraphCache(max_bytes=250)  # the stub's graphs keep 100 bytes each
-    xs = [torch.randn(T, 8) for T in range(1, 5)]
-    for x in xs:
-        for _ in range(3):
-            cache.call(_run([]), (x,), ())
-    assert len(cache) == 2 and cache._bytes == 200
-    assert cache.call(_run([]), (xs[3],), ())[0] == "replayed"
-    cache.call(_run([]), (xs[0],), ())  # dropped, and seen before: captured again
-    assert len(_StubGraph.made) == 5 and len(cache) == 2 and cache._bytes == 200
+def test_a_graph_past_the_byte_bound_waits_for_a_stale_one(stub_cache):
+    """The stub's graphs keep 100 bytes each, the cache 250: T=3's graph is dropped after serving its capturing call
+    (its size then known, the next calls are not captured) until T=1's goes stale (no call in 12)."""
+    cache = graphs.GraphCache(max_graphs=3, max_bytes=250)
+    xs = [torch.randn(T, 8) for T in range(1, 4)]
+    got = [cache.call(_run([]), (x,), ())[0] for x in xs for _ in range(3)]
+    assert got == ["launched", "replayed", "replayed"] * 2 + ["launched", "replayed", "launched"]
+    assert len(_StubGraph.made) == 3 and len(cache) == 2 and cache._bytes == 200
+    got = [cache.call(_run([]), (xs[2],), ())[0] for _ in range(8)]
+    assert got == ["launched"] * 6 + ["replayed"] * 2  # captured at the 16th call, in T=1's place
+    assert len(_StubGraph.made) == 4 and len(cache) == 2 and cache._bytes == 200 and cache.unused == 0
+    assert cache.call(_run([]), (xs[1],), ())[0] == "replayed" and cache.call(_run([]), (xs[0],), ())[0] == "launched"
 
 
 def test_the_size_rule(monkeypatch):
