@@ -62,7 +62,7 @@ MAX_INFERENCE_TOKENS = 4096
 _MAX_GRAPHS = 512  # a graph per layer and token count: Qwen3-235B has 94 layers
 _STALE = 4  # a graph no call has used in the last _STALE * max_graphs calls may be evicted for another
 _MAX_UNUSED = 16  # graphs evicted unused (no call after the capturing one) before the cache stops capturing
-_MAX_SEEN = 1024
+_MAX_SEEN = 4096  # keys seen once (a key is captured on its second call): room for 8 per graph kept
 _MAX_BYTES = 1 << 30  # what a cache's graphs keep of their own (inputs, outputs, the tensors `finish` holds)
 _ALIGN = 256  # bytes: the most alignment cuBLAS's heuristics look at
 
