@@ -341,15 +341,18 @@ class _DirectLaunch:
             args[i] = slots[index]
         for i, d, meta, maps in self.desc_at:
             base = slots[d.slot]
-            ptr = base.data_ptr()
-            tma = maps.get(ptr)
-            if tma is None:
-                if len(maps) >= _MAX_MAPS:
-                    maps.clear()
-                desc = TensorDescriptor(base, d.shape, d.strides, d.block_shape, d.padding)
-                tma = maps[ptr] = driver_module().make_tensordesc_arg(desc, meta)[0]
-            args[i] = tma
+            tma = maps.get(base.data_ptr())
+            args[i] = tma if tma is not None else tma_map(maps, d, meta, base)
         self.fn(*args)
+
+
+def tma_map(maps, d, meta, base):
+    """The TMA map of descriptor `d` (a `_Desc`, Triton's `meta`) over `base`, encoded and kept in `maps` by address."""
+    if len(maps) >= _MAX_MAPS:
+        maps.clear()
+    desc = TensorDescriptor(base, d.shape, d.strides, d.block_shape, d.padding)
+    tma = maps[base.data_ptr()] = driver_module().make_tensordesc_arg(desc, meta)[0]
+    return tma
 
 
 # The C launch function's leading arguments, as Triton 3.6 lays them out (grid, stream, function, cooperative, PDL,
@@ -398,11 +401,17 @@ def _only(kwargs, **allowed) -> bool:
                for k, v in kwargs.items())
 
 
+def _with_cpp(fn, *form):
+    """`fn`, with its form for the C++ replay (`plan_cpp.py`: the name of its step and that step's constants)."""
+    fn.cpp = form
+    return fn
+
+
 def _fast_empty(args, kwargs):
     if len(args) == 1 and _only(kwargs, dtype=_ANY, device=_ANY, layout=(torch.strided, None),
                                 pin_memory=(False, None), memory_format=(None, torch.contiguous_format)):
         size, dtype, device = args[0], kwargs.get("dtype"), kwargs.get("device")
-        return lambda: torch.empty(size, dtype=dtype, device=device)
+        return _with_cpp(lambda: torch.empty(size, dtype=dtype, device=device), "empty", size, dtype, device)
     return None
 
 
@@ -417,7 +426,7 @@ def _fast_slice(args, kwargs):
     _, dim, start, end, step = (*args, *(None, 0, None, None, 1)[len(args):])
     if kwargs or dim != 0 or step != 1:
         return None
-    return lambda t: t[start:end]  # Python's slice of dim 0: the same normalisation as aten.slice
+    return _with_cpp(lambda t: t[start:end], "slice0", start, end)  # the same normalisation as aten.slice
 
 
 def _no_kwargs(fast):
@@ -436,7 +445,7 @@ def _fast_method(method, n_args, **allowed):
         if len(args) != n_args or not _only(kwargs, **allowed):
             return None
         rest = args[1:]
-        return lambda t: method(t, *rest)
+        return _with_cpp(lambda t: method(t, *rest), method.__name__, *rest)
 
     return fast
 
@@ -479,7 +488,7 @@ class Plan:
         #   (_LAUNCH, step)      a Triton launch
         #   (_EFFECT, fn, slot)  a side effect the normal path made through `effect`
         self.steps = []
-        n_slots = n_inputs
+        self.n_inputs = n_slots = n_inputs
         flat = tree_flatten(result)[0]
         kept = {v.index for v in flat if type(v) is _Slot}
         for step in steps:
@@ -519,6 +528,7 @@ class Plan:
         if type(result) is tuple and not any(isinstance(v, (list, tuple, dict)) for v in result):
             self.result_items = [(type(v) is _Slot, v.index if type(v) is _Slot else v) for v in result]
         self.result = result
+        self.cpp = None  # the C++ replay (plan_cpp.py): None until translated, False where it has no C++ form
 
     @classmethod
     def record(cls, run, tensors):
@@ -540,6 +550,14 @@ class Plan:
         return cls(recorder.steps, template, len(tensors)), result
 
     def replay(self, tensors):
+        cpp = self.cpp
+        if cpp is None:  # translated once the extension is loaded (it builds in the background meanwhile)
+            cpp = self.cpp = plan_cpp.translate(self)
+        if cpp and direct_launch and plan_cpp.enabled:
+            return cpp.replay(tensors, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+        return self.replay_in_python(tensors)
+
+    def replay_in_python(self, tensors):
         # The launches and ops run in functions of their own: a local of this loop holding a step's tensors
         # would keep one released below alive into the next steps (peak memory: one [T*K, H] buffer more at the
         # CUTLASS backward's dgrad, measured).
@@ -608,3 +626,6 @@ def _reads(step) -> list:
 def _op_reads(op) -> list:
     """The slots an `_OpStep` reads."""
     return [v.index for v in tree_flatten((op.args, op.kwargs))[0] if type(v) is _Slot]
+
+
+from . import plan_cpp  # noqa: E402  (it reads this module's step kinds)

@@ -32,14 +32,14 @@ _state: dict = {}
 _lock = threading.Lock()
 
 
-def source_path() -> Path:
-    """csrc/fused_moe_cpu.cpp of the repository, or the copy shipped inside the package."""
+def source_path(name: str = _SOURCE_NAME) -> Path:
+    """csrc/<name> (this kernel's source by default) of the repository, or the copy shipped inside the package."""
     here = Path(__file__).resolve()
-    candidates = (here.parents[2] / "csrc" / _SOURCE_NAME, here.parents[1] / "csrc" / _SOURCE_NAME)
+    candidates = (here.parents[2] / "csrc" / name, here.parents[1] / "csrc" / name)
     for path in candidates:
         if path.is_file():
             return path
-    raise FileNotFoundError(f"C++ source {_SOURCE_NAME} not found (looked in {', '.join(map(str, candidates))})")
+    raise FileNotFoundError(f"C++ source {name} not found (looked in {', '.join(map(str, candidates))})")
 
 
 def missing_build_tool() -> str | None:

@@ -235,7 +235,7 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     for path in [*root.glob("*.py"), root.parent / "ops" / "library.py"]:
         read |= set(re.findall(r"os\.environ\.get\(\"([A-Z_]+)\"", path.read_text()))
     # read once, into module variables the plan and graph caches check
-    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN", "MOK_DIRECT_LAUNCH", "MOK_GRAPH_TOKENS",
+    at_import = {"MOK_FAST_LAUNCH", "MOK_LAUNCH_PLAN", "MOK_DIRECT_LAUNCH", "MOK_CPP_REPLAY", "MOK_GRAPH_TOKENS",
                  "MOK_GRAPH_INFERENCE_MACS"}
     at_import.add("MOK_BUILD_DIR")  # where gate_up_sm90.py builds its library, once: no launch depends on it
     assert read - at_import <= set(plan.SWITCHES), read - at_import - set(plan.SWITCHES)

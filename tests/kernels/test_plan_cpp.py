@@ -1,0 +1,187 @@
+"""A launch plan's replay in C++ (`mok_compile.kernels.plan_cpp`, csrc/plan_replay.cpp).
+
+On the CPU (the extension built here): composite ops and allocations replay natively and give the Python replay's
+and the normal path's values; a stubbed forward and backward of the op, replayed in C++, launch what the normal path
+launches with the same arguments; a direct launch gets the arguments the Python direct launch passes Triton's C
+launch function (addresses as ints, the TMA maps kept by address in the same dict); a plan with no C++ form replays
+in Python; the switch turns it off. On the GPU: real kernels, every step but the few ops as recorded native, and the
+replays equal to the normal path bit for bit."""
+
+import pytest
+import torch
+
+from mok_compile.kernels import moe, plan, plan_cpp
+from tests.kernels.cases import VARIANTS as CASE_VARIANTS, generator, make_case
+from tests.kernels.test_direct_launch import _Kernel, _step, maps  # noqa: F401  (maps: a fixture)
+from tests.kernels.test_plan import _labels, fresh_plans, stubbed  # noqa: F401  (fixtures)
+
+
+@pytest.fixture(scope="module")
+def extension():
+    mod = plan_cpp.module(block=True)
+    assert mod is not None, f"the C++ replay could not be built: {plan_cpp._state.get('error')}"
+    return mod
+
+
+@pytest.fixture
+def stream(monkeypatch):
+    """The current stream, as the replays read it, on the CPU: 1234."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+
+
+def _names(cpp_plan, extension):
+    return [extension.OPS[i] for i in cpp_plan.ops]
+
+
+def test_composite_ops_and_allocations_replay_natively(extension):
+    x, w = torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(5, 3, dtype=torch.bfloat16)
+
+    def run():
+        with torch._C._AutoDispatchBelowAutograd():
+            a = x.to(torch.bfloat16).contiguous()  # both return x itself: not replayed
+            c = a.to(torch.float32)
+            c.add_(1.0)  # an op as recorded: a Python step
+            buf = torch.empty((2, 3), dtype=torch.float32, device="cpu")
+            buf.copy_(c[1:3])
+            return (c.transpose(0, 1).reshape(-1), x.new_empty((0, 3)), torch.matmul(c, c.t()),
+                    torch.nn.functional.linear(a, w), c.view(3, 4), torch.mm(c, c.t()), buf, None)
+
+    recorded, _ = plan.Plan.record(run, (x, w))
+    cpp = plan_cpp.translate(recorded)
+    assert cpp and _names(cpp, extension) == ["to_dtype", "python", "empty", "slice0", "python", "transpose",
+                                             "reshape", "new_empty", "t", "matmul", "linear", "view", "t", "mm"]
+    for x_new in (x, torch.randn_like(x)):
+        x = x_new
+        replayed, in_python, again = cpp.replay((x, w), 0), recorded.replay_in_python((x, w)), run()
+        assert replayed[-1] is None
+        for r, p, n in zip(replayed[:-1], in_python[:-1], again[:-1], strict=True):
+            assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
+            assert torch.equal(r, n) and torch.equal(p, n)
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does(extension, stubbed, save):
+    tensors, kw = make_case("qwen3", T=70, H=64, I=32, E=8, K=2, dtype=torch.float16)
+    log = stubbed
+
+    def forward(x):
+        log.clear()
+        out = moe.fused_moe_forward(x, *tensors[1:], save_gate_up=save, **kw)
+        return out, _labels(log, (x, *tensors[1:]))
+
+    for _ in range(3):  # seen once, recorded, translated on the first replay
+        forward(torch.randn_like(tensors[0]))
+    (recorded,) = moe._FORWARD_PLANS._plans.values()
+    assert recorded.cpp and "empty" in _names(recorded.cpp, extension)
+    x = torch.randn_like(tensors[0])
+    replayed, replayed_log = forward(x)
+    plan.enabled = False
+    normal, normal_log = forward(x)
+    assert replayed_log == normal_log and len(normal_log) >= 6
+    for r, n in zip(replayed, normal, strict=True):
+        assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
+    plan.enabled = True
+    if not save:
+        return
+    _, w, ids, h, logits, layout, _ = normal
+
+    def backward(go):
+        log.clear()
+        grads = moe.fused_moe_backward(go, None, *tensors, w, ids, gate_up_out=h, router_logits=logits,
+                                       routing_layout=layout, **kw)
+        return grads, _labels(log, (go, None, *tensors, w, ids, h, logits, layout))
+
+    for _ in range(3):
+        backward(torch.randn_like(tensors[0]))
+    (recorded,) = moe._BACKWARD_PLANS._plans.values()
+    assert recorded.cpp
+    go = torch.randn_like(tensors[0])
+    replayed, replayed_log = backward(go)
+    plan.enabled = False
+    normal, normal_log = backward(go)
+    assert replayed_log == normal_log and len(normal_log) >= 5
+    for r, n in zip(replayed, normal, strict=True):
+        assert (r is None) == (n is None) and (r is None or (r.shape, r.dtype) == (n.shape, n.dtype))
+
+
+def test_a_direct_launch_in_cpp_passes_what_the_python_replay_passes(extension, maps, stream, monkeypatch):
+    """Triton's own launcher over a stand-in C function: the same arguments as the Python direct launch, but each
+    tensor as its address (what Triton's launcher reads of it); one TMA map per address, in the step's dict."""
+    log = []
+    a, b, c = torch.randn(8), torch.randn(128, 32), torch.randn(128, 32)
+    recorded = plan.Plan([_step(_Kernel(log), a, b)], (), 2)
+    cpp = plan_cpp.translate(recorded)
+    assert cpp and _names(cpp, extension) == ["launch"]
+    maps.clear()
+    monkeypatch.setattr(plan, "direct_launch", True)
+    for base in (b, c, b, c):
+        cpp.replay((a, base), 1234)
+        via_cpp = log[-1]
+        recorded.replay_in_python((a, base))
+        via_python = log[-1]
+        assert len(via_cpp) == len(via_python) and via_cpp[:13] == via_python[:13]
+        assert via_cpp[13] == a.data_ptr() and via_python[13] is a
+        assert via_cpp[14] is via_python[14] and via_cpp[14][1] == base.data_ptr()  # the same kept map
+        assert via_cpp[15:] == via_python[15:]
+    assert maps == [c.data_ptr()]  # (b's map: encoded when the launch was recorded)
+
+
+def test_a_plan_replays_in_cpp_only_with_direct_launches_and_the_switch_on(extension, maps, stream, monkeypatch):
+    log = []
+    a, b = torch.randn(8), torch.randn(128, 32)
+    recorded = plan.Plan([_step(_Kernel(log), a, b)], (), 2)
+    for direct, on, via_cpp in ((True, True, True), (False, True, False), (True, False, False)):
+        monkeypatch.setattr(plan, "direct_launch", direct)
+        monkeypatch.setattr(plan_cpp, "enabled", on)
+        recorded.replay((a, b))
+        assert (log[-1][13] == a.data_ptr() if via_cpp else log[-1][13] is a), (direct, on)
+    assert recorded.cpp
+
+
+def test_a_plan_with_no_cpp_form_replays_in_python(extension):
+    x = torch.randn(4, 3)
+    recorded, _ = plan.Plan.record(lambda: {"y": x * 2}, (x,))  # a result that is no flat tuple
+    assert plan_cpp.translate(recorded) is False
+    assert torch.equal(recorded.replay((x,))["y"], x * 2) and recorded.cpp is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", sorted(CASE_VARIANTS))
+def test_a_training_step_replayed_in_cpp_equals_the_normal_path_bit_for_bit(extension, fresh_plans, variant):
+    """Real kernels: the forward (inference and training) and the backward (recomputing, reading the saved tensors,
+    consuming h) replayed in C++ give what plans off give on the same fresh inputs; every launch native."""
+    T, H, I, E, K = 300, 192, 96, 16, 4
+    _, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
+
+    def inputs(seed):
+        return make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda", seed=seed)[0]
+
+    def step(tensors):
+        out = moe.fused_moe_forward(*tensors, **kw)
+        tout, tw, tids, h, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
+        go = torch.randn(tout.shape, dtype=tout.dtype, device="cuda", generator=generator(1, "cuda"))
+        recomputed = moe.fused_moe_backward(go, None, *tensors, tw, tids, **kw)
+        saved = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h.clone(), router_logits=logits,
+                                       routing_layout=layout, **kw)
+        consumed = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h, router_logits=logits,
+                                          routing_layout=layout, overwrite_gate_up_out=True, **kw)
+        return [*out, tout, tw, tids, *recomputed, *saved, *consumed], h.untyped_storage().size()
+
+    for seed in (1, 2, 3):  # seen once, recorded, translated on the first replay
+        step(inputs(seed))
+    plans = [p for c in (moe._FORWARD_PLANS, moe._BACKWARD_PLANS) for p in c._plans.values()]
+    assert len(plans) == 5 and all(p.cpp for p in plans)
+    names = [n for p in plans for n in _names(p.cpp, extension)]
+    assert names.count("launch") >= 20 and names.count("python") <= len(plans) * 3, names
+    tensors = inputs(4)
+    replayed, replayed_h = step(tensors)
+    plan.enabled = False
+    normal, normal_h = step(tensors)
+    assert replayed_h == normal_h == 0  # the consuming backward freed h in both
+    for r, n in zip(replayed, normal, strict=True):
+        assert (r is None) == (n is None)
+        if r is not None:
+            assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
+            assert torch.equal(r, n)
