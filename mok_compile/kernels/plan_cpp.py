@@ -78,10 +78,11 @@ def module(block: bool = False):
     mod = _state.get("module")
     if mod is not None or "error" in _state or not (block or torch.cuda.is_available()):
         return mod
-    with _lock:
-        if "thread" not in _state:
-            _state["thread"] = threading.Thread(target=_build, name="mok-plan-replay-build", daemon=True)
-            _state["thread"].start()
+    if "thread" not in _state:
+        with _lock:
+            if "thread" not in _state:
+                _state["thread"] = threading.Thread(target=_build, name="mok-plan-replay-build", daemon=True)
+                _state["thread"].start()
     if block:
         _state["thread"].join()
     return _state.get("module")
