@@ -528,6 +528,7 @@ class Plan:
         if type(result) is tuple and not any(isinstance(v, (list, tuple, dict)) for v in result):
             self.result_items = [(type(v) is _Slot, v.index if type(v) is _Slot else v) for v in result]
         self.result = result
+        self.launches = any(step[0] is _LAUNCH for step in self.steps)  # (the stream is read where there are)
         self.cpp = None  # the C++ replay (plan_cpp.py): None until translated, False where it has no C++ form
 
     @classmethod
@@ -554,7 +555,8 @@ class Plan:
         if cpp is None:  # translated once the extension is loaded (it builds in the background meanwhile)
             cpp = self.cpp = plan_cpp.translate(self)
         if cpp and direct_launch and plan_cpp.enabled:
-            return cpp.replay(tensors, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+            stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if self.launches else 0
+            return cpp.replay(tensors, stream)
         return self.replay_in_python(tensors)
 
     def replay_in_python(self, tensors):
