@@ -20,7 +20,8 @@ ops (freeing a tensor's storage) go through `effect`, which the recording sees.
 
 A signature is recorded on its second call (a signature seen once costs nothing extra), and the cache keeps the
 64 most recently used plans. A signature whose recording failed twice is not recorded again. MOK_LAUNCH_PLAN=0
-at import (`plan.enabled = False` at run time) turns plans off.
+at import (`plan.enabled = False` at run time) turns plans off. Once its extension is built, a plan replays in C++
+(`plan_cpp.py`: the same steps, without the Python around each); `replay_in_python` is the replay here.
 """
 
 from __future__ import annotations

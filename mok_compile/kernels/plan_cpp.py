@@ -42,15 +42,8 @@ def _load():
 
     from ..ops import cpu
 
-    missing = cpu.missing_build_tool()
-    if missing:
-        raise RuntimeError(missing)
-    build_dir = os.environ.get("MOK_BUILD_DIR")
-    if build_dir:
-        build_dir = os.path.join(build_dir, EXTENSION_NAME)
-        os.makedirs(build_dir, exist_ok=True)
-    return cpp_extension.load(name=EXTENSION_NAME, sources=[str(cpu.source_path(_SOURCE_NAME))],
-                              extra_cflags=["-O2"], build_directory=build_dir, verbose=False)
+    return cpp_extension.load(name=EXTENSION_NAME, sources=[str(cpu.source_path(_SOURCE_NAME))], extra_cflags=["-O2"],
+                              build_directory=cpu.build_directory(EXTENSION_NAME), verbose=False)
 
 
 def _build():

@@ -54,17 +54,23 @@ def missing_build_tool() -> str | None:
     return None
 
 
-def _build_and_load() -> None:
-    """Compile (or reuse the cached build of) the C++ kernel and load it into this process."""
-    from torch.utils import cpp_extension
-
+def build_directory(name: str) -> str | None:
+    """Where extension `name` builds: `$MOK_BUILD_DIR/<name>` (made if missing), else None (torch's extension
+    directory). Raises RuntimeError naming what is missing where it cannot be built here."""
     missing = missing_build_tool()
     if missing:
         raise RuntimeError(missing)
     build_dir = os.environ.get("MOK_BUILD_DIR")
     if build_dir:
-        build_dir = os.path.join(build_dir, EXTENSION_NAME)
+        build_dir = os.path.join(build_dir, name)
         os.makedirs(build_dir, exist_ok=True)
+    return build_dir
+
+
+def _build_and_load() -> None:
+    """Compile (or reuse the cached build of) the C++ kernel and load it into this process."""
+    from torch.utils import cpp_extension
+
     cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(source_path())],
@@ -72,7 +78,7 @@ def _build_and_load() -> None:
         # The process already holds torch's libgomp, so no second OpenMP runtime is loaded.
         extra_cflags=["-O2", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
-        build_directory=build_dir,
+        build_directory=build_directory(EXTENSION_NAME),
         is_python_module=False,
         verbose=False,
     )

@@ -242,19 +242,15 @@ def test_every_switch_the_kernels_read_per_call_is_in_the_signature():
     assert "MOK_TMA" in read  # the pattern finds them
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variant", sorted(CASE_VARIANTS))
-def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans, variant):
-    """On the GPU, real kernels: the third call of a signature (a replay) gives what plans off give on the same
-    inputs, forward (inference and training) and backward (recomputing, reading the saved tensors, consuming
-    h), each call on fresh inputs of the same signature with another routing."""
+def training_step_case(variant):
+    """(inputs(seed), step(tensors)) of the GPU bit-equality tests: fresh inputs of one signature, each seed another
+    routing; a step runs the forward (inference and training) and the backward (recomputing, reading the saved
+    tensors, consuming h) and returns (every output, the size of h's storage after)."""
     T, H, I, E, K = 300, 192, 96, 16, 4
     _, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
 
     def inputs(seed):
-        fresh, _ = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda", seed=seed)
-        return fresh
+        return make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda", seed=seed)[0]
 
     def step(tensors):
         out = moe.fused_moe_forward(*tensors, **kw)
@@ -267,14 +263,11 @@ def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans
                                           routing_layout=layout, overwrite_gate_up_out=True, **kw)
         return [*out, tout, tw, tids, *recomputed, *saved, *consumed], h.untyped_storage().size()
 
-    for seed in (1, 2):  # seen once, then recorded
-        step(inputs(seed))
-    assert len(moe._FORWARD_PLANS._plans) == 2 and len(moe._BACKWARD_PLANS._plans) == 3
-    launches = [s[1] for c in (moe._FORWARD_PLANS, moe._BACKWARD_PLANS) for p in c._plans.values() for s in p.steps
-                if s[0] == plan._LAUNCH]
-    # every Triton launch replays through the C launch function directly (`plan._DirectLaunch`)
-    assert launches and not [s.kernel.name for s in launches if s.direct is None]
-    tensors = inputs(3)
+    return inputs, step
+
+
+def assert_replay_equals_plans_off(step, tensors):
+    """`step(tensors)` (`training_step_case`) replayed, then with plans off: the same bits, h freed in both."""
     replayed, replayed_h = step(tensors)
     plan.enabled = False
     normal, normal_h = step(tensors)
@@ -284,6 +277,26 @@ def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans
         if r is not None:
             assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
             assert torch.equal(r, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", sorted(CASE_VARIANTS))
+def test_a_replayed_training_step_equals_the_normal_path_bit_for_bit(fresh_plans, monkeypatch, variant):
+    """On the GPU, real kernels: the third call of a signature (a replay, in Python) gives what plans off give on
+    the same inputs (`training_step_case`), each call on fresh inputs of the same signature with another routing."""
+    from mok_compile.kernels import plan_cpp
+
+    monkeypatch.setattr(plan_cpp, "enabled", False)  # (test_plan_cpp.py: the C++ replay)
+    inputs, step = training_step_case(variant)
+    for seed in (1, 2):  # seen once, then recorded
+        step(inputs(seed))
+    assert len(moe._FORWARD_PLANS._plans) == 2 and len(moe._BACKWARD_PLANS._plans) == 3
+    launches = [s[1] for c in (moe._FORWARD_PLANS, moe._BACKWARD_PLANS) for p in c._plans.values() for s in p.steps
+                if s[0] == plan._LAUNCH]
+    # every Triton launch replays through the C launch function directly (`plan._DirectLaunch`)
+    assert launches and not [s.kernel.name for s in launches if s.direct is None]
+    assert_replay_equals_plans_off(step, inputs(3))
 
 
 def test_a_detach_the_call_returns_stays_a_detach(stubbed):

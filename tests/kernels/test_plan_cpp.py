@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from mok_compile.kernels import moe, plan, plan_cpp
-from tests.kernels.cases import VARIANTS as CASE_VARIANTS, generator, make_case
+from tests.kernels.cases import VARIANTS as CASE_VARIANTS, make_case
 from tests.kernels.test_direct_launch import _Kernel, _step, maps  # noqa: F401  (maps: a fixture)
-from tests.kernels.test_plan import _labels, fresh_plans, stubbed  # noqa: F401  (fixtures)
+from tests.kernels.test_plan import (  # noqa: F401  (fresh_plans, stubbed: fixtures)
+    _labels, assert_replay_equals_plans_off, fresh_plans, stubbed, training_step_case)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,21 @@ def test_composite_ops_and_allocations_replay_natively(extension):
             assert torch.equal(r, n) and torch.equal(p, n)
 
 
+def _replayed_and_normal(call, cache, fresh):
+    """`call(input)` replayed in C++ (its signature seen once, recorded, translated on the first replay) and with
+    plans off, on the same fresh input: ((outputs, launch log) replayed, the same normal, the C++ plan)."""
+    for _ in range(3):
+        call(fresh())
+    (recorded,) = cache._plans.values()
+    x = fresh()
+    replayed = call(x)
+    plan.enabled = False
+    try:
+        return replayed, call(x), recorded.cpp
+    finally:
+        plan.enabled = True
+
+
 @pytest.mark.parametrize("save", [False, True])
 def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does(extension, stubbed, save):
     tensors, kw = make_case("qwen3", T=70, H=64, I=32, E=8, K=2, dtype=torch.float16)
@@ -70,18 +86,12 @@ def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does
         out = moe.fused_moe_forward(x, *tensors[1:], save_gate_up=save, **kw)
         return out, _labels(log, (x, *tensors[1:]))
 
-    for _ in range(3):  # seen once, recorded, translated on the first replay
-        forward(torch.randn_like(tensors[0]))
-    (recorded,) = moe._FORWARD_PLANS._plans.values()
-    assert recorded.cpp and "empty" in _names(recorded.cpp, extension)
-    x = torch.randn_like(tensors[0])
-    replayed, replayed_log = forward(x)
-    plan.enabled = False
-    normal, normal_log = forward(x)
+    (replayed, replayed_log), (normal, normal_log), cpp = _replayed_and_normal(
+        forward, moe._FORWARD_PLANS, lambda: torch.randn_like(tensors[0]))
+    assert cpp and "empty" in _names(cpp, extension)
     assert replayed_log == normal_log and len(normal_log) >= 6
     for r, n in zip(replayed, normal, strict=True):
         assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
-    plan.enabled = True
     if not save:
         return
     _, w, ids, h, logits, layout, _ = normal
@@ -92,15 +102,9 @@ def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does
                                        routing_layout=layout, **kw)
         return grads, _labels(log, (go, None, *tensors, w, ids, h, logits, layout))
 
-    for _ in range(3):
-        backward(torch.randn_like(tensors[0]))
-    (recorded,) = moe._BACKWARD_PLANS._plans.values()
-    assert recorded.cpp
-    go = torch.randn_like(tensors[0])
-    replayed, replayed_log = backward(go)
-    plan.enabled = False
-    normal, normal_log = backward(go)
-    assert replayed_log == normal_log and len(normal_log) >= 5
+    (replayed, replayed_log), (normal, normal_log), cpp = _replayed_and_normal(
+        backward, moe._BACKWARD_PLANS, lambda: torch.randn_like(tensors[0]))
+    assert cpp and replayed_log == normal_log and len(normal_log) >= 5
     for r, n in zip(replayed, normal, strict=True):
         assert (r is None) == (n is None) and (r is None or (r.shape, r.dtype) == (n.shape, n.dtype))
 
@@ -152,37 +156,12 @@ def test_a_plan_with_no_cpp_form_replays_in_python(extension):
 def test_a_training_step_replayed_in_cpp_equals_the_normal_path_bit_for_bit(extension, fresh_plans, variant):
     """Real kernels: the forward (inference and training) and the backward (recomputing, reading the saved tensors,
     consuming h) replayed in C++ give what plans off give on the same fresh inputs; every launch native."""
-    T, H, I, E, K = 300, 192, 96, 16, 4
-    _, kw = make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda")
-
-    def inputs(seed):
-        return make_case(variant, T=T, H=H, I=I, E=E, K=K, dtype=torch.bfloat16, device="cuda", seed=seed)[0]
-
-    def step(tensors):
-        out = moe.fused_moe_forward(*tensors, **kw)
-        tout, tw, tids, h, logits, layout, _ = moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)
-        go = torch.randn(tout.shape, dtype=tout.dtype, device="cuda", generator=generator(1, "cuda"))
-        recomputed = moe.fused_moe_backward(go, None, *tensors, tw, tids, **kw)
-        saved = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h.clone(), router_logits=logits,
-                                       routing_layout=layout, **kw)
-        consumed = moe.fused_moe_backward(go, None, *tensors, tw, tids, gate_up_out=h, router_logits=logits,
-                                          routing_layout=layout, overwrite_gate_up_out=True, **kw)
-        return [*out, tout, tw, tids, *recomputed, *saved, *consumed], h.untyped_storage().size()
-
+    inputs, step = training_step_case(variant)
     for seed in (1, 2, 3):  # seen once, recorded, translated on the first replay
         step(inputs(seed))
     plans = [p for c in (moe._FORWARD_PLANS, moe._BACKWARD_PLANS) for p in c._plans.values()]
     assert len(plans) == 5 and all(p.cpp for p in plans)
     names = [n for p in plans for n in _names(p.cpp, extension)]
-    launches = sum(step[0] is plan._LAUNCH for p in plans for step in p.steps)
+    launches = sum(s[0] is plan._LAUNCH for p in plans for s in p.steps)
     assert names.count("launch") == launches >= 20, names  # every launch native; ops as recorded call back
-    tensors = inputs(4)
-    replayed, replayed_h = step(tensors)
-    plan.enabled = False
-    normal, normal_h = step(tensors)
-    assert replayed_h == normal_h == 0  # the consuming backward freed h in both
-    for r, n in zip(replayed, normal, strict=True):
-        assert (r is None) == (n is None)
-        if r is not None:
-            assert r.shape == n.shape and r.dtype == n.dtype and r.stride() == n.stride()
-            assert torch.equal(r, n)
+    assert_replay_equals_plans_off(step, inputs(4))
