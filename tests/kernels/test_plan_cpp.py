@@ -150,6 +150,19 @@ def test_a_plan_with_no_cpp_form_replays_in_python(extension):
     assert torch.equal(recorded.replay((x,))["y"], x * 2) and recorded.cpp is False
 
 
+def test_a_cpp_form_the_extension_refuses_leaves_the_plan_in_python(extension, monkeypatch, caplog):
+    x = torch.randn(4, 3)
+    recorded, _ = plan.Plan.record(lambda: (x * 2,), (x,))
+
+    def refuse(*args):
+        raise RuntimeError("mok plan replay: a step reads slot 9")
+
+    monkeypatch.setattr(extension, "Plan", refuse)
+    with caplog.at_level("WARNING", logger="mok_compile.plan"):
+        assert torch.equal(recorded.replay((x,))[0], x * 2)
+    assert recorded.cpp is False and "reads slot 9" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", sorted(CASE_VARIANTS))
