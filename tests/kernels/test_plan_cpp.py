@@ -45,13 +45,15 @@ def test_composite_ops_and_allocations_replay_natively(extension):
             c.add_(1.0)  # an op as recorded: a Python step
             buf = torch.empty((2, 3), dtype=torch.float32, device="cpu")
             buf.copy_(c[1:3])
+            top, at = c.max(0)  # ops as recorded making new tensors (Python steps): one and two
             return (c.transpose(0, 1).reshape(-1), x.new_empty((0, 3)), torch.matmul(c, c.t()),
-                    torch.nn.functional.linear(a, w), c.view(3, 4), torch.mm(c, c.t()), buf, None)
+                    torch.nn.functional.linear(a, w), c.view(3, 4), torch.mm(c, c.t()), buf, c * 2, top, at, None)
 
     recorded, _ = plan.Plan.record(run, (x, w))
     cpp = plan_cpp.translate(recorded)
-    assert cpp and _names(cpp, extension) == ["to_dtype", "python", "empty", "slice0", "python", "transpose",
-                                             "reshape", "new_empty", "t", "matmul", "linear", "view", "t", "mm"]
+    assert cpp and _names(cpp, extension) == ["to_dtype", "python", "empty", "slice0", "python", "python",
+                                             "transpose", "reshape", "new_empty", "t", "matmul", "linear", "view",
+                                             "t", "mm", "python"]
     for x_new in (x, torch.randn_like(x)):
         x = x_new
         replayed, in_python, again = cpp.replay((x, w), 0), recorded.replay_in_python((x, w)), run()
