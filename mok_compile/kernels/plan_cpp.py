@@ -69,9 +69,11 @@ def module(block: bool = False):
     wait for it) or where it cannot be built. Without a GPU only `block` builds it (plans replay on CUDA only; the
     CPU tests build it where they test it)."""
     mod = _state.get("module")
-    if mod is not None or "error" in _state or not (block or torch.cuda.is_available()):
+    if mod is not None or "error" in _state:
         return mod
     if "thread" not in _state:
+        if not (block or torch.cuda.is_available()):
+            return None
         with _lock:
             if "thread" not in _state:
                 _state["thread"] = threading.Thread(target=_build, name="mok-plan-replay-build", daemon=True)
@@ -185,38 +187,32 @@ def _ints(values) -> list:
 
 def _in_python(step, n):
     """(name, reads, ints, callback, new tensors) of a step the C++ replay calls back into Python for: the callback
-    takes the tensors it reads (in `reads` order) and the stream, and returns its new tensors."""
+    takes the tensors it reads (in `reads` order) and the stream, runs the step as `Plan.replay_in_python` does on
+    slots holding them, and returns its new tensors."""
     reads = sorted(set(plan._reads(step)))
     kind = step[0]
     if kind is plan._CALL:
-        fn, at = step[1], [reads.index(i) for i in step[2]]
-        return "python", reads, [1], lambda ts, stream: (fn(*[ts[j] for j in at]),), 1
-    if kind is plan._EFFECT:
-        effect = step[1]
+        new = 1
+    elif kind is plan._EFFECT or kind is plan._LAUNCH:
+        new = 0
+    else:  # an op as recorded: its new outputs are the slots from n on
+        new = sum(index >= n for index in step[1].out_slots)
 
-        def run_effect(ts, stream):
-            effect(ts[0])
-            return ()
+    def run(ts, stream):
+        slots = [None] * n
+        for i, t in zip(reads, ts):
+            slots[i] = t
+        if kind is plan._CALL:
+            slots.append(step[1](*[slots[i] for i in step[2]]))
+        elif kind is plan._EFFECT:
+            step[1](slots[step[2]])
+        elif kind is plan._LAUNCH:
+            plan._launch(step[1], slots, stream)
+        else:
+            plan._run_op(step[1], slots)
+        return slots[n:]
 
-        return "python", reads, [0], run_effect, 0
-    if kind is plan._LAUNCH:
-        launch_step = step[1]
-
-        def run_launch(ts, stream):
-            plan._launch(launch_step, dict(zip(reads, ts)), stream)
-            return ()
-
-        return "python", reads, [0], run_launch, 0
-    op = step[1]  # an op as recorded: its new outputs are the slots from n on
-    new = sum(index >= n for index in op.out_slots)
-
-    def run_op(ts, stream):
-        args, kwargs = op.fill(dict(zip(reads, ts)))
-        out = op.func(*args, **kwargs)
-        flat = (out,) if isinstance(out, torch.Tensor) else plan.tree_flatten(out)[0]
-        return [v for index, v in zip(op.out_slots, flat) if index >= n]
-
-    return "python", reads, [new], run_op, new
+    return "python", reads, [new], run, new
 
 
 if __name__ == "__main__":  # the background build's process (`_build`)
