@@ -145,7 +145,9 @@ def build_block(family, sizes, overrides):
         for name, p in list(block.named_parameters()) + list(block.named_buffers()):
             if p.is_floating_point():
                 std = bias_std if name.endswith("e_score_correction_bias") else 0.02
-                p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * std)
+                # Scaled in place: `randn(...) * std` held two fp32 copies of the largest weight at once (56 GiB for
+                # DeepSeek-V3's gate_up), past an 80 GB GPU's memory beside the bf16 block. Same values.
+                p.copy_(torch.randn(p.shape, device="cuda", generator=gen).mul_(std))
         if getattr(block, "is_hash", False):  # distinct experts per token id, as a top-k would give
             table = block.gate.tid2eid
             scores = torch.rand(table.shape[0], sizes.experts, device="cuda", generator=gen)
