@@ -428,13 +428,15 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3
             # What the warm-up left allocated: the op's graphs (their pool and buffers) for the first runner to call
             # it ("mok"; the compiled block's calls replay the same graphs), nothing for HF.
             row[f"{which}_held_gb"] = (allocated_without_grads(params) - held_before) / 1e9
-            if which == "mok":  # GPU time alone: the same work replayed from a CUDA graph (no launch overhead)
-                with torch.no_grad():
-                    graphs["mok_graph_fwd"] = graphed(lambda: fn(x))
-                graphs["mok_graph_fwd_bwd"] = graphed(steps[which])
             log(f"  {name} T={T} {which}: peak {row[f'{which}_fwd_bwd_peak_gb']:.2f} GB, held after the warm-up "
                 f"{row[f'{which}_held_gb']:.3f} GB "
                 f"({time.time() - t0:.0f} s incl. compile)")
+        # GPU time alone: the op's work replayed from CUDA graphs (no launch overhead), captured once every column is
+        # compiled: the fwd+bwd graph's pool keeps its gradients (23 GB at DeepSeek-V3's sizes), and "mok+comp"'s
+        # compile-time probe, which draws a copy of the layer's weights, then found no room on an 80 GB GPU.
+        with torch.no_grad():
+            graphs["mok_graph_fwd"] = graphed(lambda mok=runners["mok"]: mok(x))
+        graphs["mok_graph_fwd_bwd"] = graphed(steps["mok"])
         # Timing in rounds, the order reversed every other round, medians: the GPU's clock moves with its load
         # (a kernel timed first after an idle spell ran 10-20% faster than the same kernel later, NOTES v24 (5)),
         # so each column is timed at several points of the run instead of once.
