@@ -284,24 +284,28 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             gens[device] = torch.Generator(device=device).manual_seed(seed)
         return gens[device]
 
+    inputs = [region.root, *region.inputs]
     with torch.no_grad():
         for round_ in range(MAX_ROUNDS):
             env = {}
-            for n in [region.root, *region.inputs]:
-                meta = meta_value(n)
-                if roles.get(n) == "expert_ids":
-                    env[n] = _random_ids(meta, E, round_, generator(meta.device), subs)
-                elif isinstance(meta, torch.Tensor):
-                    if not meta.is_floating_point():
-                        return f"block input {n.name} is not a float tensor"
-                    env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
-                else:
-                    env[n] = concrete(meta, subs)
             try:
+                for n in inputs:
+                    meta = meta_value(n)
+                    if roles.get(n) == "expert_ids":
+                        env[n] = _random_ids(meta, E, round_, generator(meta.device), subs)
+                    elif isinstance(meta, torch.Tensor):
+                        if not meta.is_floating_point():
+                            return f"block input {n.name} is not a float tensor"
+                        env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
+                    else:
+                        env[n] = concrete(meta, subs)
                 run_nodes(gm, nodes, env)
                 args = [materialize(o, env.__getitem__) for o in operands]
                 given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # tensors, runtime floats
                 out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
+            except torch.OutOfMemoryError:
+                env.clear()
+                return _out_of_memory(inputs, subs)
             except Exception as err:  # a region that cannot even run on fresh inputs is not proven
                 return f"probe failed to run: {type(err).__name__}: {err}"
             got = env[region.out]
@@ -324,6 +328,20 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             if bool(seen.all()) and round_ >= 1:
                 break
     return None
+
+
+def _out_of_memory(inputs, subs) -> str:
+    """Why a probe that ran out of memory proves nothing: it draws a copy of every block input, weights included (a
+    DeepSeek-V3 layer's are 22 GB), on the block's device, which a GPU holding a model may not have free."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # what the probe's draws held goes back to the device
+    metas = [m for m in (meta_value(n) for n in inputs) if isinstance(m, torch.Tensor)]
+    size = sum(math.prod(concrete(d, subs) for d in m.shape) * m.element_size() for m in metas)
+    devices = ", ".join(sorted({str(m.device) for m in metas}))
+    amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+    return (f"probe: out of memory on {devices} drawing the block's inputs ({amount}, a copy of its weights) and "
+            "running it; free that much before compiling, or compile with options={'validate': False} "
+            "to fuse on the structural match alone")
 
 
 def _random_ids(meta: torch.Tensor, num_experts: int, round_: int, gen: torch.Generator, subs) -> torch.Tensor:

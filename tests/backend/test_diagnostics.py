@@ -132,3 +132,37 @@ def test_log_level_switch(monkeypatch):
     finally:
         logger.handlers[:], logger.propagate = before[0], before[2]
         logger.setLevel(before[1])
+
+
+def test_a_probe_out_of_memory_leaves_the_block_unfused_with_the_fix(monkeypatch, capsys):
+    """The probe draws a copy of the block's weights on its device; where that runs out of memory, the block is left
+    unfused with a reason that names the bytes and the way around it (not as a crash of the pass), and with the
+    probe off the same model fuses."""
+    from mok_compile.passes import validate
+
+    real_random = validate._random
+
+    def random_or_out_of_memory(meta, std, gen, subs=None):
+        if meta.numel() >= 8 * 64 * 32:  # the tiny models' expert weights; hidden states and router are smaller
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB.")
+        return real_random(meta, std, gen, subs)
+
+    monkeypatch.setattr(validate, "_random", random_or_out_of_memory)
+    model, ids = tiny_model("qwen3_moe"), token_ids()
+    report = mok_compile.explain(model, ids)
+    printed = capsys.readouterr().out
+    assert not report.fused and len(report.rejected) == NUM_LAYERS
+    assert all("probe: out of memory on cpu drawing the block's inputs" in b.reason for b in report.rejected)
+    assert "options={'validate': False}" in printed and "MB, a copy of its weights" in printed
+
+    counters.clear()
+    want, _, _ = forward(model, ids)
+    got, _, _ = forward(model, ids, backend="mok", options=AOT)
+    assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] == NUM_LAYERS
+    assert_close_rel(got, want, 1e-6, "logits")
+
+    counters.clear()
+    torch._dynamo.reset()
+    got, _, _ = forward(model, ids, backend="mok", options={**AOT, "validate": False})
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS
+    assert_close_rel(got, want, 1e-5, "logits")
