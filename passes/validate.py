@@ -336,7 +336,12 @@ def _out_of_memory(inputs, subs) -> str:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # what the probe's draws held goes back to the device
     metas = [m for m in (meta_value(n) for n in inputs) if isinstance(m, torch.Tensor)]
-    size = sum(math.prod(concrete(d, subs) for d in m.shape) * m.element_size() for m in metas)
+    size = 0
+    for m in metas:
+        try:
+            size += math.prod(concrete(d, subs) for d in m.shape) * m.element_size()
+        except TypeError:  # a data-dependent size: no bytes to count for it
+            pass
     devices = ", ".join(sorted({str(m.device) for m in metas}))
     amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
     return (f"probe: out of memory on {devices} drawing the block's inputs ({amount}, a copy of its weights) and "
