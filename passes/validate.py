@@ -285,49 +285,62 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
         return gens[device]
 
     inputs = [region.root, *region.inputs]
+
+    def one_round(round_):
+        """(why the probe fails or None, the op's expert ids) on one draw of the inputs. Everything the round made dies
+        when it returns, so the next round's draws never meet its copy of the weights."""
+        env = {}
+        try:
+            for n in inputs:
+                meta = meta_value(n)
+                if roles.get(n) == "expert_ids":
+                    env[n] = _random_ids(meta, E, round_, generator(meta.device), subs)
+                elif isinstance(meta, torch.Tensor):
+                    if not meta.is_floating_point():
+                        return f"block input {n.name} is not a float tensor", None
+                    env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
+                else:
+                    env[n] = concrete(meta, subs)
+            run_nodes(gm, nodes, env)
+            args = [materialize(o, env.__getitem__) for o in operands]
+            given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # tensors, runtime floats
+            out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
+        except torch.OutOfMemoryError:
+            return _OUT_OF_MEMORY, None
+        except Exception as err:  # a region that cannot even run on fresh inputs is not proven
+            return f"probe failed to run: {type(err).__name__}: {err}", None
+        got = env[region.out]
+        got_ids = env[region.ids]
+        if got_ids.numel() != ids.numel():
+            return f"probe: the graph chooses {tuple(got_ids.shape)} expert ids, the op {tuple(ids.shape)}", None
+        got_ids = got_ids.reshape(ids.shape)  # [B, S, K] where the logits are [B, S, E] (Zaya's)
+        if not torch.equal(got_ids.sort(-1).values, ids.sort(-1).values):
+            return "probe: the op selects different experts than the graph", None
+        if "ids" in exports and not torch.equal(env[exports["ids"]], ids):
+            return "probe: the op returns expert ids in a different order than the graph", None
+        if "weights" in exports:
+            gw = env[exports["weights"]]
+            if gw.dtype != w.dtype or gw.shape != w.shape or _rel_err(gw, w) > TOLERANCE[out.dtype]:
+                return "probe: the op's routing weights differ from the graph's", None
+        err = _rel_err(got, out.reshape(got.shape))
+        if got.dtype != out.dtype or err > TOLERANCE[out.dtype]:
+            return f"probe: outputs differ (relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e})", None
+        return None, ids
+
     with torch.no_grad():
         for round_ in range(MAX_ROUNDS):
-            env = {}
-            try:
-                for n in inputs:
-                    meta = meta_value(n)
-                    if roles.get(n) == "expert_ids":
-                        env[n] = _random_ids(meta, E, round_, generator(meta.device), subs)
-                    elif isinstance(meta, torch.Tensor):
-                        if not meta.is_floating_point():
-                            return f"block input {n.name} is not a float tensor"
-                        env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
-                    else:
-                        env[n] = concrete(meta, subs)
-                run_nodes(gm, nodes, env)
-                args = [materialize(o, env.__getitem__) for o in operands]
-                given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # tensors, runtime floats
-                out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
-            except torch.OutOfMemoryError:
-                env.clear()
+            why, ids = one_round(round_)
+            if why is _OUT_OF_MEMORY:  # (reported once the round's tensors are gone)
                 return _out_of_memory(inputs, subs)
-            except Exception as err:  # a region that cannot even run on fresh inputs is not proven
-                return f"probe failed to run: {type(err).__name__}: {err}"
-            got = env[region.out]
-            got_ids = env[region.ids]
-            if got_ids.numel() != ids.numel():
-                return f"probe: the graph chooses {tuple(got_ids.shape)} expert ids, the op {tuple(ids.shape)}"
-            got_ids = got_ids.reshape(ids.shape)  # [B, S, K] where the logits are [B, S, E] (Zaya's)
-            if not torch.equal(got_ids.sort(-1).values, ids.sort(-1).values):
-                return "probe: the op selects different experts than the graph"
-            if "ids" in exports and not torch.equal(env[exports["ids"]], ids):
-                return "probe: the op returns expert ids in a different order than the graph"
-            if "weights" in exports:
-                gw = env[exports["weights"]]
-                if gw.dtype != w.dtype or gw.shape != w.shape or _rel_err(gw, w) > TOLERANCE[out.dtype]:
-                    return "probe: the op's routing weights differ from the graph's"
-            err = _rel_err(got, out.reshape(got.shape))
-            if got.dtype != out.dtype or err > TOLERANCE[out.dtype]:
-                return f"probe: outputs differ (relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e})"
+            if why is not None:
+                return why
             seen[ids.reshape(-1).cpu()] = True
             if bool(seen.all()) and round_ >= 1:
                 break
     return None
+
+
+_OUT_OF_MEMORY = "out of memory"  # one_round's verdict, turned into the reason by `_out_of_memory`
 
 
 def _out_of_memory(inputs, subs) -> str:

@@ -73,3 +73,29 @@ def test_probe_reports_a_region_it_cannot_run():
     check, routing, expert = _probe_setup(models.StackedGatherMoE(), torch.randn(10, 32))
     assert check() is None
     assert "failed to run" in check(o4=None)
+
+
+def test_probe_rounds_never_hold_two_copies_of_the_weights(monkeypatch):
+    """Each round of the probe draws a fresh copy of the block's inputs, weights included (22 GB for a DeepSeek-V3
+    layer): when a round starts drawing, nothing the rounds before it drew is still alive."""
+    import weakref
+
+    from mok_compile.passes import validate
+
+    rounds, alive_at_start, real_random = [], [], validate._random
+    first_meta = []
+
+    def counted(meta, std, gen, subs=None):
+        if not first_meta or meta is first_meta[0]:  # each round draws the same inputs in the same order
+            first_meta[:] = [meta]
+            alive_at_start.append(sum(ref() is not None for refs in rounds for ref in refs))
+            rounds.append([])
+        t = real_random(meta, std, gen, subs)
+        rounds[-1].append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(validate, "_random", counted)
+    check, _, _ = _probe_setup(make_block("mixtral", dtype=torch.float32), torch.randn(2, 5, 64))
+    assert check() is None
+    assert len(rounds) >= 2 and all(len(refs) >= 4 for refs in rounds)  # x, router, gate_up, down
+    assert alive_at_start == [0] * len(rounds), alive_at_start
