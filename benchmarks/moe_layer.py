@@ -434,8 +434,9 @@ def run_shape(name, tokens, ceilings, log, do_profile=False, mode=None, rounds=3
         # GPU time alone: the op's work replayed from CUDA graphs (no launch overhead), captured once every column is
         # compiled: the fwd+bwd graph's pool keeps its gradients (23 GB at DeepSeek-V3's sizes), and "mok+comp"'s
         # compile-time probe, which draws a copy of the layer's weights, then found no room on an 80 GB GPU.
-        torch.cuda.empty_cache()  # a graph's pool is memory of its own: the cached blocks are returned first (at
-        # DeepSeek-V3 T=256 on an 80 GB H100, 37 GiB cached and unused left the fwd+bwd graph without room)
+        # A graph's pool is memory of its own, so the cached blocks are returned first (at DeepSeek-V3 T=256 on an 80
+        # GB H100, 37 GiB cached and unused left the fwd+bwd graph without room).
+        torch.cuda.empty_cache()
         with torch.no_grad():
             graphs["mok_graph_fwd"] = graphed(lambda mok=runners["mok"]: mok(x))
         graphs["mok_graph_fwd_bwd"] = graphed(steps["mok"])
