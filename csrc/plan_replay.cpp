@@ -12,6 +12,8 @@
 //                  the recorded constants, the stream, each tensor's address as an int (what Triton's launcher
 //                  reads of a tensor), and each descriptor's TMA map, kept by address in the step's own dict
 //                  (a miss calls back into Python, which encodes the map).
+//   effects        free_storage: a tensor's storage resized to 0 bytes, as `untyped_storage().resize_(0)` does
+//                  (its memory back to the allocator; the consuming backward's release of h).
 //   Python steps   any other step (an op as recorded, a side effect, a launch through `kernel.run`) calls back
 //                  into Python with the tensors it reads and appends the new tensors it returns.
 //
@@ -51,6 +53,7 @@ enum Op : int {
   kGroupedMm,
   kLaunch,
   kPython,
+  kFreeStorage,
   kNumOps,
 };
 
@@ -139,6 +142,9 @@ class Plan {
         case kPython:
           s.callback = extra;
           break;
+        case kFreeStorage:
+          TORCH_CHECK(s.reads.size() == 1, "mok plan replay: free_storage reads one tensor");
+          break;
         default:
           break;
       }
@@ -180,7 +186,7 @@ class Plan {
 
  private:
   static int produces(const Step& s) {
-    if (s.op == kLaunch) return 0;
+    if (s.op == kLaunch || s.op == kFreeStorage) return 0;
     return s.op == kPython ? static_cast<int>(s.ints.at(0)) : 1;  // (a Python step: ints = [its new tensors])
   }
 
@@ -257,9 +263,22 @@ class Plan {
                     "returned ", slots.size() - before, " new tensors, expected ", s.ints.at(0));
         break;
       }
+      case kFreeStorage:
+        free_storage(in(0));
+        break;
       default:
         TORCH_CHECK(false, "mok plan replay: unknown step ", s.op);
     }
+  }
+
+  // What `untyped_storage().resize_(0)` does on CUDA (at::native::resize_bytes_cuda): the data pointer dropped (its
+  // memory back to the caching allocator, on the stream it was allocated on) and the size set to 0 bytes.
+  static void free_storage(const at::Tensor& t) {
+    TORCH_CHECK(t.defined(), "mok plan replay: no tensor to free the storage of");
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    TORCH_CHECK(storage->resizable(), "mok plan replay: Trying to resize storage that is not resizable");
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+    storage->set_nbytes(0);
   }
 
   static void launch(const Step& s, std::vector<at::Tensor>& slots, int64_t stream) {
@@ -310,5 +329,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("ops", &Plan::ops);  // each step's index in OPS
   m.attr("OPS") = py::make_tuple("empty", "empty_like", "slice0", "alias", "detach", "t", "view", "reshape",
                                  "transpose", "contiguous", "to_dtype", "new_empty", "mm", "addmm", "linear",
-                                 "matmul", "grouped_mm", "launch", "python");
+                                 "matmul", "grouped_mm", "launch", "python", "free_storage");
 }

@@ -513,6 +513,9 @@ def _free_storage(t):
     t.untyped_storage().resize_(0)
 
 
+_free_storage.cpp = ("free_storage",)  # the C++ replay's native form of this effect (plan_cpp)
+
+
 def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, selection_bias, gate_up_proj,
               gate_up_bias, down_proj, down_bias, topk_weights, topk_ids, gate_up_out, router_logits, routing_layout,
               expert_scale, post_norm_weight, post_norm_input, defer_weight_gradients=False, **kw):

@@ -130,6 +130,10 @@ def _native(step):
     kind = step[0]
     if kind is plan._ALIAS:
         return "alias", [step[1]], [], None, 1
+    if kind is plan._EFFECT:
+        if getattr(step[1], "cpp", None) != ("free_storage",):
+            raise _Untranslatable
+        return "free_storage", [step[2]], [], None, 0
     if kind is plan._LAUNCH:
         direct = step[1].direct
         if direct is None:

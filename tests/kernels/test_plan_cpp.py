@@ -63,6 +63,27 @@ def test_composite_ops_and_allocations_replay_natively(extension):
             assert torch.equal(r, n) and torch.equal(p, n)
 
 
+def test_freeing_a_storage_replays_natively(extension):
+    """The consuming backward's release of h (`plan.effect(moe._free_storage, h)`) is a native step: the C++ replay
+    leaves h's storage empty, as the Python replay and the normal path do, after the steps that read it."""
+    h = torch.randn(4, 3)
+
+    def run(h):
+        y = torch.mm(h, h.t())
+        plan.effect(moe._free_storage, h)
+        return (y,)
+
+    recorded, _ = plan.Plan.record(lambda: run(h), (h,))
+    cpp = plan_cpp.translate(recorded)
+    assert cpp and _names(cpp, extension) == ["t", "mm", "free_storage"]
+    fresh = [torch.randn(4, 3) for _ in range(3)]
+    want = [f @ f.t() for f in fresh]
+    (via_cpp,), (via_python,), (normal,) = cpp.replay((fresh[0],), 0), recorded.replay_in_python((fresh[1],)), run(
+        fresh[2])
+    for got, w, f in zip((via_cpp, via_python, normal), want, fresh):
+        assert torch.equal(got, w) and f.untyped_storage().nbytes() == 0
+
+
 def _replayed_and_normal(call, cache, fresh):
     """`call(input)` replayed in C++ (its signature seen once, recorded, translated on the first replay) and with
     plans off, on the same fresh input: ((outputs, launch log) replayed, the same normal, the C++ plan)."""
@@ -179,4 +200,5 @@ def test_a_training_step_replayed_in_cpp_equals_the_normal_path_bit_for_bit(exte
     names = [n for p in plans for n in _names(p.cpp, extension)]
     launches = sum(s[0] is plan._LAUNCH for p in plans for s in p.steps)
     assert names.count("launch") == launches >= 20, names  # every launch native; ops as recorded call back
+    assert names.count("free_storage") == 1, names  # the consuming backward's release of h
     assert_replay_equals_plans_off(step, inputs(4))
