@@ -32,7 +32,7 @@ from .region import NoMatch, Region, block_anchors, find_region, strip
 from .rewrite import emit, plan_rewrite
 from .routing import Flat, RouterMatch, match_router
 from .sharded import sharded_reason, sharding_evidence
-from .validate import concrete, probe
+from .validate import concrete, live_inputs, probe
 
 log = logging.getLogger("mok_compile.passes")
 
@@ -150,7 +150,7 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
 
 
 def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict,
-                anchors, before_rewrite=None) -> None:
+                anchors, before_rewrite=None, live=None) -> None:
     region: Region = find_region(gm, flow, anchor, ids, anchors)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
@@ -207,7 +207,7 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
         for variant in variants:
             for spec in experts.specs:
                 kw = {**op_kwargs(variant, spec), **given, "_intermediate": experts.intermediate}
-                why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache)
+                why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache, live=live)
                 if why is None:
                     chosen, routing = spec, variant
                     break
@@ -253,6 +253,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
     probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
+    live = live_inputs(gm, example_inputs) if validate else {}  # the weights a probe short of memory runs on
     flow = Dataflow(gm.graph)
     anchors = block_anchors(gm, flow)
     for anchor, ids in anchors:
@@ -262,7 +263,7 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
         if report.blocks and report.blocks[-1].fused:  # the graph as the block before this one left it
             flow = Dataflow(gm.graph, previous=flow)
         try:
-            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite)
+            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite, live)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form

@@ -13,11 +13,19 @@ outputs agree to a relative error (max |diff| / max |reference|) below
 `TOLERANCE[dtype]`: a few units of rounding of the dtype. Wrong semantics
 are far outside it: dropping the renormalisation, the scale or the selection
 bias, or a wrong activation, changes the output by more than 5%.
+
+Drawing the weights means a copy of them (a DeepSeek-V3 layer's are 22 GB),
+which a GPU holding the model may not have free. Where the draw runs out of
+memory, the probe runs again on the model's own weights (the graph's live
+parameters) and fresh hidden states: no copy, the same checks, and any step
+of the block that would write a weight stops the probe instead.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import operator
 
 import sympy
 import torch
@@ -26,6 +34,8 @@ import torch.fx as fx
 from mok_compile.ops import reference
 
 from .op_names import meta_value
+
+log = logging.getLogger("mok_compile.passes")
 
 # Relative error allowed between the graph's own computation and the op's reference.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -78,12 +88,19 @@ def _random(meta: torch.Tensor, std: float, gen: torch.Generator, subs=None) -> 
     return torch.randn(shape, generator=gen, dtype=meta.dtype, device=gen.device).mul_(std)
 
 
-def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict) -> dict:
-    """Evaluate `nodes` (in graph order) with `env` holding the values of everything they read."""
+def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict, protect=()) -> dict:
+    """Evaluate `nodes` (in graph order) with `env` holding the values of everything they read. A node that would
+    write a tensor sharing storage with one in `protect` raises `WritesProtected` before it runs."""
     load = lambda a: env[a]  # noqa: E731
+    storages = {t.untyped_storage().data_ptr() for t in protect}
     for n in nodes:
         args = fx.node.map_arg(n.args, load)
         kwargs = fx.node.map_arg(n.kwargs, load)
+        if storages and _writes(n):
+            written = kwargs.get("out", args[0] if args else None)
+            for t in written if isinstance(written, (list, tuple)) else (written,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages:
+                    raise WritesProtected(f"node {n.name} ({n.target}) writes one of the model's weights")
         if n.op == "call_function":
             env[n] = n.target(*args, **kwargs)
         elif n.op == "call_method":
@@ -93,6 +110,33 @@ def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict) -> dict:
         else:
             raise RuntimeError(f"cannot run {n.op} node {n.name}")
     return env
+
+
+class WritesProtected(RuntimeError):
+    """A step of the block writes a tensor the probe must not change (the model's own weights)."""
+
+
+_IN_PLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift, operator.imatmul}
+
+
+def _writes(n: fx.Node) -> bool:
+    """Whether a node may write its first argument (or its `out=`): an in-place method or function, an assignment
+    into a tensor, an aten overload with a mutable schema."""
+    if "out" in n.kwargs:
+        return True
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("__")
+    if n.op != "call_function":
+        return False
+    if n.target in _IN_PLACE_OPERATORS:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = getattr(n.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("__")
 
 
 def materialize(operand, value_of, stack=torch.stack, cat=torch.cat, flat=torch.reshape):
@@ -237,14 +281,16 @@ def _operand_key(operand, index):
 
 
 def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs: dict, exports: dict,
-          seed: int = 0, cache: dict | None = None) -> str | None:
+          seed: int = 0, cache: dict | None = None, live: dict | None = None) -> str | None:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
     "down_bias" | "expert_scale" | "post_norm_weight" | "expert_ids" (given ids: random ones are drawn) | "hidden";
     operands: the op's 8 tensor operands;
     exports: {"weights": node, "ids": node} the rest of the graph reads and the op's outputs replace. `cache` (one
-    per `fuse_moe` call) maps `probe_key`s to verdicts, so structurally identical layers are probed once.
+    per `fuse_moe` call) maps `probe_key`s to verdicts, so structurally identical layers are probed once. `live`
+    maps placeholders to the graph's live inputs (`live_inputs`): the weights the probe falls back on where drawing
+    a copy of them runs out of memory.
 
     A symbolic token count is lowered for the probe (`probe_sizes`); if the region does not run or does not
     agree at the lowered size, the verdict is taken at the traced size.
@@ -256,15 +302,46 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
         counters["mok"]["probe_cached"] += 1
         return cache[key]
     subs = probe_sizes(region)
-    why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs)
+    why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live or {})
     if why is not None and subs:
-        why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {})
+        why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {}, live or {})
     if key is not None:
         cache[key] = why
     return why
 
 
-def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) -> str | None:
+def live_inputs(gm: fx.GraphModule, example_inputs) -> dict:
+    """{placeholder: its example input} for the inputs that are real tensors (Dynamo hands the backend the live
+    parameters); fake, meta and subclass tensors are left out."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if example_inputs is None:
+        return {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return {}
+    return {n: t for n, t in zip(placeholders, example_inputs)
+            if type(t) in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, FakeTensor) and not t.is_meta}
+
+
+def _own_weights(inputs, roles: dict, live: dict, subs) -> dict:
+    """{input: the model's own tensor} for the block's weights that are live graph inputs of the traced shape,
+    dtype and device (hidden states, logits and expert ids are always drawn)."""
+    own = {}
+    for n in inputs:
+        role, t, meta = roles.get(n, "hidden"), live.get(n), meta_value(n)
+        if role in ("hidden", "router_logits", "expert_ids") or t is None or not isinstance(meta, torch.Tensor):
+            continue
+        try:
+            shape = [concrete(d, subs) for d in meta.shape]
+        except TypeError:
+            continue
+        if list(t.shape) == shape and t.dtype == meta.dtype and t.device == meta.device:
+            own[n] = t.detach()
+    return own
+
+
+def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live) -> str | None:
     from torch._dynamo.utils import counters
 
     counters["mok"]["probe_runs"] += 1
@@ -286,14 +363,17 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
 
     inputs = [region.root, *region.inputs]
 
-    def one_round(round_):
-        """(why the probe fails or None, the op's expert ids) on one draw of the inputs. Everything the round made dies
-        when it returns, so the next round's draws never meet its copy of the weights."""
+    def one_round(round_, own):
+        """(why the probe fails or None, the op's expert ids) on one draw of the inputs, the tensors in `own` taken
+        as they are. Everything the round made dies when it returns, so the next round's draws never meet its copy
+        of the weights."""
         env = {}
         try:
             for n in inputs:
                 meta = meta_value(n)
-                if roles.get(n) == "expert_ids":
+                if n in own:
+                    env[n] = own[n]
+                elif roles.get(n) == "expert_ids":
                     env[n] = _random_ids(meta, E, round_, generator(meta.device), subs)
                 elif isinstance(meta, torch.Tensor):
                     if not meta.is_floating_point():
@@ -301,7 +381,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
                     env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
                 else:
                     env[n] = concrete(meta, subs)
-            run_nodes(gm, nodes, env)
+            run_nodes(gm, nodes, env, protect=own.values())
             args = [materialize(o, env.__getitem__) for o in operands]
             given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # tensors, runtime floats
             out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
@@ -327,27 +407,48 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs) ->
             return f"probe: outputs differ (relative error {err:.2e} > {TOLERANCE[out.dtype]:.0e})", None
         return None, ids
 
-    with torch.no_grad():
+    def rounds(own):
+        seen.zero_()
         for round_ in range(MAX_ROUNDS):
-            why, ids = one_round(round_)
-            if why is _OUT_OF_MEMORY:  # (reported once the round's tensors are gone)
-                return _out_of_memory(inputs, subs)
+            why, ids = one_round(round_, own)
             if why is not None:
                 return why
             seen[ids.reshape(-1).cpu()] = True
             if bool(seen.all()) and round_ >= 1:
                 break
-    return None
+        return None
+
+    with torch.no_grad():
+        why = rounds({})
+        if why is not _OUT_OF_MEMORY:
+            return why
+        _release_cached_memory()  # (the round's tensors are gone)
+        own = _own_weights(inputs, roles, live, subs)
+        if own:
+            counters["mok"]["probe_own_weights"] += 1
+            log.info("mok: no memory for the probe's copy of the weights of %s: probing on the model's own ones",
+                     region.out.name)
+            why = rounds(own)
+            if why is None:
+                return None
+            if why is not _OUT_OF_MEMORY:
+                return f"probe on the model's own weights (no memory for a copy of them): {why}"
+        return _out_of_memory(inputs, subs, own)
 
 
 _OUT_OF_MEMORY = "out of memory"  # one_round's verdict, turned into the reason by `_out_of_memory`
 
 
-def _out_of_memory(inputs, subs) -> str:
-    """Why a probe that ran out of memory proves nothing: it draws a copy of every block input, weights included (a
-    DeepSeek-V3 layer's are 22 GB), on the block's device, which a GPU holding a model may not have free."""
+def _release_cached_memory():
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # what the probe's draws held goes back to the device
+
+
+def _out_of_memory(inputs, subs, own) -> str:
+    """Why a probe that ran out of memory proves nothing: it draws a copy of every block input, weights included (a
+    DeepSeek-V3 layer's are 22 GB), on the block's device, which a GPU holding a model may not have free; `own`:
+    the weights it then ran on as they are, and still ran out of memory."""
+    _release_cached_memory()
     metas = [m for m in (meta_value(n) for n in inputs) if isinstance(m, torch.Tensor)]
     size = 0
     for m in metas:
@@ -357,8 +458,10 @@ def _out_of_memory(inputs, subs) -> str:
             pass
     devices = ", ".join(sorted({str(m.device) for m in metas}))
     amount = f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.2f} MB"
+    then = (", and again on the model's own weights (no copy)" if own else
+            " (its weights are no live graph inputs, so it could not run on them instead)")
     return (f"probe: out of memory on {devices} drawing the block's inputs ({amount}, a copy of its weights) and "
-            "running it; free that much before compiling, or compile with options={'validate': False} "
+            f"running it{then}; free that much before compiling, or compile with options={{'validate': False}} "
             "to fuse on the structural match alone")
 
 

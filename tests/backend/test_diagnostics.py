@@ -134,25 +134,56 @@ def test_log_level_switch(monkeypatch):
         logger.setLevel(before[1])
 
 
-def test_a_probe_out_of_memory_leaves_the_block_unfused_with_the_fix(monkeypatch, capsys):
-    """The probe draws a copy of the block's weights on its device; where that runs out of memory, the block is left
-    unfused with a reason that names the bytes and the way around it (not as a crash of the pass), and with the
-    probe off the same model fuses."""
+def _out_of_memory_drawing_weights(monkeypatch):
+    """The probe's draws of the tiny models' expert weights run out of memory (hidden states and router are
+    smaller), as a copy of a large layer's weights does on a GPU that holds the model."""
     from mok_compile.passes import validate
 
     real_random = validate._random
 
     def random_or_out_of_memory(meta, std, gen, subs=None):
-        if meta.numel() >= 8 * 64 * 32:  # the tiny models' expert weights; hidden states and router are smaller
+        if meta.numel() >= 8 * 64 * 32:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB.")
         return real_random(meta, std, gen, subs)
 
     monkeypatch.setattr(validate, "_random", random_or_out_of_memory)
+
+
+def test_a_probe_short_of_memory_for_a_copy_runs_on_the_models_own_weights(monkeypatch):
+    """Where drawing a copy of the weights runs out of memory, the probe proves the block on the model's own
+    weights (the graph's live parameters), which it leaves as they were, and the block fuses."""
+    _out_of_memory_drawing_weights(monkeypatch)
+    model, ids = tiny_model("qwen3_moe"), token_ids()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    versions = {name: p._version for name, p in model.named_parameters()}
+    want, _, _ = forward(model, ids)
+    counters.clear()
+    got, _, _ = forward(model, ids, backend="mok", options=AOT)
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["rejected_moe"] == 0
+    assert counters["mok"]["probe_own_weights"] == 1 and counters["mok"]["probe_cached"] == NUM_LAYERS - 1
+    assert_close_rel(got, want, 1e-5, "logits")
+    for name, p in model.named_parameters():
+        assert p._version == versions[name] and torch.equal(p.detach(), weights[name]), name
+
+
+def test_a_probe_out_of_memory_leaves_the_block_unfused_with_the_fix(monkeypatch, capsys):
+    """Where the probe runs out of memory on its copy of the weights and again on the model's own, the block is left
+    unfused with a reason that names the bytes and the way around it (not as a crash of the pass), and with the
+    probe off the same model fuses."""
+    from mok_compile.ops import reference
+
+    _out_of_memory_drawing_weights(monkeypatch)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(reference, "fused_moe_reference", out_of_memory)
     model, ids = tiny_model("qwen3_moe"), token_ids()
     report = mok_compile.explain(model, ids)
     printed = capsys.readouterr().out
     assert not report.fused and len(report.rejected) == NUM_LAYERS
     assert all("probe: out of memory on cpu drawing the block's inputs" in b.reason for b in report.rejected)
+    assert all("and again on the model's own weights (no copy)" in b.reason for b in report.rejected)
     assert "options={'validate': False}" in printed and "MB, a copy of its weights" in printed
 
     counters.clear()

@@ -17,10 +17,10 @@ def probe_rows(monkeypatch):
     """Rows of the block input in every region run of the probe."""
     rows, real = [], validate.run_nodes
 
-    def spy(gm, nodes, env):
+    def spy(gm, nodes, env, **kwargs):
         first = next(v for v in env.values() if isinstance(v, torch.Tensor))  # the block input comes first
         rows.append(first.reshape(-1, first.shape[-1]).shape[0])
-        return real(gm, nodes, env)
+        return real(gm, nodes, env, **kwargs)
 
     monkeypatch.setattr(validate, "run_nodes", spy)
     return rows

@@ -1,6 +1,7 @@
 """The numerical probe accepts the spec read off the graph and rejects near-miss specs."""
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -13,15 +14,17 @@ from mok_compile.passes.fuse_moe import _expert_inputs, _roles
 from mok_compile.passes.region import block_anchors, find_region
 from mok_compile.passes.rewrite import plan_rewrite
 from mok_compile.passes.routing import match_router
-from mok_compile.passes.validate import probe
+from mok_compile.passes.validate import WritesProtected, live_inputs, probe, run_nodes
 
 from . import models
 from .helpers import capture
 
 
-def _probe_setup(module, x):
+def _probe_setup(module, x, own_weights=False):
+    """(check, routing, expert): check(...) probes the block with its routing, expert spec or operands changed;
+    `own_weights`: the graph's live inputs are given to the probe, to fall back on."""
     (graph,), _ = capture(module.eval(), x)
-    gm, _ = graph
+    gm, example_inputs = graph
     flow = Dataflow(gm.graph)
     (topk, ids), = block_anchors(gm, flow)
     region = find_region(gm, flow, topk, ids)
@@ -38,7 +41,8 @@ def _probe_setup(module, x):
         for index, value in operand_changes.items():
             ops[int(index[1:])] = value
         kw = {**op_kwargs(routing, expert), "_intermediate": experts.intermediate}
-        return probe(gm, flow, region, _roles(router, experts), ops, kw, plan.exports)
+        live = live_inputs(gm, example_inputs) if own_weights else None
+        return probe(gm, flow, region, _roles(router, experts), ops, kw, plan.exports, live=live)
 
     return check, router.spec, experts.specs[0]
 
@@ -99,3 +103,89 @@ def test_probe_rounds_never_hold_two_copies_of_the_weights(monkeypatch):
     assert check() is None
     assert len(rounds) >= 2 and all(len(refs) >= 4 for refs in rounds)  # x, router, gate_up, down
     assert alive_at_start == [0] * len(rounds), alive_at_start
+
+
+def _weights_out_of_memory(monkeypatch, min_numel):
+    from mok_compile.passes import validate
+
+    real_random = validate._random
+
+    def random_or_out_of_memory(meta, std, gen, subs=None):
+        if meta.numel() >= min_numel:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB.")
+        return real_random(meta, std, gen, subs)
+
+    monkeypatch.setattr(validate, "_random", random_or_out_of_memory)
+
+
+def test_the_probe_on_the_models_own_weights_still_separates_near_misses(monkeypatch):
+    """With no memory for a copy of the weights, the probe runs on the block's own ones and rejects the same near
+    misses, saying it ran on them; without the live inputs it can only report the shortage."""
+    from torch._dynamo.utils import counters
+
+    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)  # the expert weights ([8, 64, 32] and up)
+    module = make_block("mixtral", dtype=torch.float32)
+    check, routing, expert = _probe_setup(module, torch.randn(2, 5, 64), own_weights=True)
+    counters.clear()
+    assert check() is None
+    assert counters["mok"]["probe_own_weights"] == 1
+    why = check(routing=dataclasses.replace(routing, renormalize=False))
+    assert why.startswith("probe on the model's own weights (no memory for a copy of them): probe: outputs differ")
+    why = check(expert=dataclasses.replace(expert, activation="gelu_tanh"))
+    assert "outputs differ" in why
+
+    check, _, _ = _probe_setup(module, torch.randn(2, 5, 64), own_weights=False)
+    why = check()
+    assert why.startswith("probe: out of memory on cpu") and "no live graph inputs" in why
+
+
+def _graph(*writes):
+    """A block `x @ w` (w [4, 4], x [3, 4]) after the writes (target, first argument "w", "y" = x @ w or "w[0]",
+    args, kwargs; an `out=` of "w" or "y"), as an FX graph and its nodes to run."""
+    g = torch.fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    y = g.call_function(torch.matmul, (x, w))
+    named = {"w": w, "y": y, "w[0]": g.call_function(operator.getitem, (w, 0))}
+    for op, target, first, args, kwargs in writes:
+        kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+        make = g.call_method if op == "call_method" else g.call_function
+        make(target, (named[first], *args), kwargs)
+    g.output(y)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    return gm, [n for n in g.nodes if n.op not in ("placeholder", "output")]
+
+
+WRITES_OF_THE_WEIGHT = {
+    "in place": ("call_method", "mul_", "w", (2.0,), {}),
+    "in place through a view": ("call_method", "add_", "w[0]", (1.0,), {}),
+    "assignment": ("call_function", operator.setitem, "w", (1, 0.0), {}),
+    "out=": ("call_function", torch.mul, "y", (2.0,), {"out": "w"}),
+    "aten in place": ("call_function", torch.ops.aten.mul_.Scalar, "w", (2.0,), {}),
+}
+
+
+@pytest.mark.parametrize("write", WRITES_OF_THE_WEIGHT.values(), ids=WRITES_OF_THE_WEIGHT.keys())
+def test_running_a_block_never_writes_a_protected_weight(write):
+    """The probe on the model's own weights runs the block's nodes with the weights protected: a node that would
+    write one (in place, through a view, by assignment or `out=`) stops the run before it writes."""
+    gm, nodes = _graph(write)
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    before = w.clone()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with pytest.raises(WritesProtected, match="writes one of the model's weights"):
+        run_nodes(gm, nodes, dict(zip(placeholders, (w, x))), protect=[w])
+    assert torch.equal(w, before)
+
+
+def test_running_a_block_writes_its_own_intermediates_with_weights_protected():
+    """The same writes into the block's own intermediate run as they would."""
+    writes = [("call_method", "mul_", "y", (2.0,), {}), ("call_function", operator.setitem, "y", (0, 1.0), {}),
+              ("call_function", torch.ops.aten.add_.Scalar, "y", (1.0,), {})]
+    gm, nodes = _graph(*writes)
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+    before = w.clone()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env = run_nodes(gm, nodes, dict(zip(placeholders, (w, x))), protect=[w])
+    want = (x @ w) * 2.0
+    want[0] = 1.0
+    assert torch.equal(env[nodes[0]], want + 1.0) and torch.equal(w, before)
