@@ -17,8 +17,10 @@ bias, or a wrong activation, changes the output by more than 5%.
 Drawing the weights means a copy of them (a DeepSeek-V3 layer's are 22 GB),
 which a GPU holding the model may not have free. Where the draw runs out of
 memory, the probe runs again on the model's own weights (the graph's live
-parameters) and fresh hidden states: no copy, the same checks, and any step
-of the block that would write a weight stops the probe instead.
+parameters) and fresh hidden states, scaled up round by round
+(`OWN_WEIGHTS_SCALES`) so that small weights still reach clamps and
+thresholds: no copy, the same checks, and any step of the block that would
+write a weight stops the probe instead.
 """
 
 from __future__ import annotations
@@ -378,7 +380,10 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
                 elif isinstance(meta, torch.Tensor):
                     if not meta.is_floating_point():
                         return f"block input {n.name} is not a float tensor", None
-                    env[n] = _random(meta, std[roles.get(n, "hidden")], generator(meta.device), subs)
+                    role = roles.get(n, "hidden")
+                    scale = OWN_WEIGHTS_SCALES[min(round_, len(OWN_WEIGHTS_SCALES) - 1)] if own else 1.0
+                    env[n] = _random(meta, std[role] * (scale if role == "hidden" else 1.0), generator(meta.device),
+                                     subs)
                 else:
                     env[n] = concrete(meta, subs)
             run_nodes(gm, nodes, env, protect=own.values())
@@ -390,6 +395,8 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
         except Exception as err:  # a region that cannot even run on fresh inputs is not proven
             return f"probe failed to run: {type(err).__name__}: {err}", None
         got = env[region.out]
+        if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(out).all())):
+            return _NOT_FINITE, None
         got_ids = env[region.ids]
         if got_ids.numel() != ids.numel():
             return f"probe: the graph chooses {tuple(got_ids.shape)} expert ids, the op {tuple(ids.shape)}", None
@@ -409,12 +416,17 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
 
     def rounds(own):
         seen.zero_()
+        last_scale = len(OWN_WEIGHTS_SCALES) - 1 if own else 1  # the first round after which the probe may stop
         for round_ in range(MAX_ROUNDS):
             why, ids = one_round(round_, own)
+            if why is _NOT_FINITE and own and round_ > 0:
+                break  # the block overflows at this scale of its own weights: the rounds before it are the verdict
+            if why is _NOT_FINITE:
+                return "probe: the outputs are not finite (an overflow) on the probe's inputs"
             if why is not None:
                 return why
             seen[ids.reshape(-1).cpu()] = True
-            if bool(seen.all()) and round_ >= 1:
+            if bool(seen.all()) and round_ >= last_scale:
                 break
         return None
 
@@ -437,6 +449,11 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
 
 
 _OUT_OF_MEMORY = "out of memory"  # one_round's verdict, turned into the reason by `_out_of_memory`
+_NOT_FINITE = "not finite"  # one_round's verdict where the graph's or the reference's output overflows
+# The hidden states' standard deviation, round by round, where the probe runs on the model's own weights: they may
+# be small (a fresh model's std is 0.02), so larger inputs reach what the drawn weights are chosen to reach (a clamp
+# at 7, a mask's threshold); the rounds stop growing them where an output overflows.
+OWN_WEIGHTS_SCALES = (1.0, 8.0, 64.0, 512.0)
 
 
 def _release_cached_memory():

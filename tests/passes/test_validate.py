@@ -139,6 +139,48 @@ def test_the_probe_on_the_models_own_weights_still_separates_near_misses(monkeyp
     assert why.startswith("probe: out of memory on cpu") and "no live graph inputs" in why
 
 
+@pytest.mark.parametrize("scales", ["grown", "not grown"])
+def test_the_probe_grows_the_inputs_on_the_models_own_weights_to_reach_the_clamp(monkeypatch, scales):
+    """GPT-OSS's experts at a fresh model's scale (std 0.02) never reach the clamp at 7 on unit inputs: the probe on
+    those weights grows its inputs round by round (`OWN_WEIGHTS_SCALES`), so a wrong clamp limit is still disproved;
+    without growing them (the near miss) it is not."""
+    from mok_compile.passes import validate
+
+    if scales == "not grown":
+        monkeypatch.setattr(validate, "OWN_WEIGHTS_SCALES", (1.0,))
+    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)
+    check, routing, expert = _probe_setup(make_block("gpt_oss", dtype=torch.float32), torch.randn(2, 5, 64),
+                                          own_weights=True)
+    assert expert.limit == 7.0 and check() is None
+    wrong = [check(expert=dataclasses.replace(expert, limit=limit)) for limit in (3.0, 20.0)]
+    if scales == "grown":
+        assert all(w is not None and "outputs differ" in w for w in wrong), wrong
+    else:
+        assert wrong[1] is None  # unit inputs on small weights stay below 7 and 20 alike
+
+
+def test_an_overflow_on_the_own_weights_ends_the_growth_and_is_otherwise_a_failure(monkeypatch):
+    """fp16 outputs overflow at the largest scales of the own-weights rounds: those rounds end the growth and the
+    verdict stands on the rounds before. On drawn weights an output that is not finite fails the probe."""
+    from mok_compile.passes import validate
+
+    monkeypatch.setattr(validate, "OWN_WEIGHTS_SCALES", (1.0, 8.0, 1e6))  # the last overflows fp16
+    with monkeypatch.context() as m:
+        _weights_out_of_memory(m, 8 * 64 * 32)
+        block = make_block("mixtral", dtype=torch.float16)
+        check, routing, _ = _probe_setup(block, torch.randn(2, 5, 64, dtype=torch.float16), own_weights=True)
+        assert check() is None
+        assert "outputs differ" in check(routing=dataclasses.replace(routing, renormalize=False))
+    real_random = validate._random
+
+    def overflowing_hidden_states(meta, std, gen, subs=None):
+        t = real_random(meta, std, gen, subs)
+        return t.fill_(float("inf")) if t.dim() == 3 else t  # the block input [B, S, H]
+
+    monkeypatch.setattr(validate, "_random", overflowing_hidden_states)
+    assert "not finite" in check()
+
+
 def _graph(*writes):
     """A block `x @ w` (w [4, 4], x [3, 4]) after the writes (target, first argument "w", "y" = x @ w or "w[0]",
     args, kwargs; an `out=` of "w" or "y"), as an FX graph and its nodes to run."""
@@ -189,3 +231,62 @@ def test_running_a_block_writes_its_own_intermediates_with_weights_protected():
     want = (x @ w) * 2.0
     want[0] = 1.0
     assert torch.equal(env[nodes[0]], want + 1.0) and torch.equal(w, before)
+
+
+@pytest.mark.gpu
+def test_a_probe_short_of_gpu_memory_proves_the_block_on_its_own_weights():
+    """On a GPU whose memory has no room for a copy of the block's weights but room for its activations (the
+    allocator capped at what it holds plus 48 MB, its cached blocks taken), the probe's draw runs out of memory and it
+    proves the block on the block's own weights instead, leaving them as they were; with 0 MB left it reports the
+    shortage."""
+    from torch._dynamo.utils import counters
+
+    from mok_compile.hf_blocks import BlockSizes
+    from mok_compile.passes.fuse_moe import fuse_moe
+
+    from .helpers import count_fused, run
+
+    sizes = BlockSizes(hidden=512, intermediate=1024, experts=16, top_k=2)  # gate_up: 64 MiB of fp32
+    block = make_block("qwen3_moe", sizes, device="cuda")
+    x = torch.randn(1, 16, 512, device="cuda")
+    weights = {n: p.detach().clone() for n, p in block.named_parameters()}
+    for leave_mb, fuses in ((48, True), (0, False)):
+        (graph,), eager = capture(block, x)
+        gm, example = graph
+        counters.clear()
+        with _gpu_memory_capped(leave_mb << 20):
+            report = fuse_moe(gm, example)
+        assert counters["mok"]["probe_own_weights"] == 1
+        assert count_fused(gm) == int(fuses), str(report)
+        if fuses:
+            torch.testing.assert_close(run(gm, example)[0], eager, rtol=1e-4, atol=1e-5)
+        else:
+            assert "and again on the model's own weights (no copy)" in report.blocks[0].reason
+        for n, p in block.named_parameters():
+            assert torch.equal(p.detach(), weights[n]), n
+
+
+class _gpu_memory_capped:
+    """Within it, the caching allocator can take `leave` more bytes of the GPU: its free cached blocks taken, then
+    capped (set_per_process_memory_fraction: this process only) at what it holds plus `leave`."""
+
+    def __init__(self, leave):
+        self.leave, self.held = leave, []
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
+        size = 1 << 30
+        while size >= 512:
+            try:
+                self.held.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                size //= 2
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + self.leave) / total))
+
+    def __exit__(self, *exc):
+        self.held.clear()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
