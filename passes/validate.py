@@ -94,7 +94,7 @@ def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict, protect=()) -
     """Evaluate `nodes` (in graph order) with `env` holding the values of everything they read. A node that would
     write a tensor sharing storage with one in `protect` raises `WritesProtected` before it runs."""
     load = lambda a: env[a]  # noqa: E731
-    storages = {t.untyped_storage().data_ptr() for t in protect}
+    storages = {t.untyped_storage().data_ptr() for t in protect} - {0}  # (0: an empty storage, no memory to write)
     for n in nodes:
         args = fx.node.map_arg(n.args, load)
         kwargs = fx.node.map_arg(n.kwargs, load)
