@@ -19,7 +19,8 @@ which a GPU holding the model may not have free. Where the draw runs out of
 memory, the probe runs again on the model's own weights (the graph's live
 parameters) and fresh hidden states, scaled up round by round
 (`OWN_WEIGHTS_SCALES`) so that small weights still reach clamps and
-thresholds: no copy, the same checks, and any step of the block that would
+thresholds, until an output overflows or the router saturates (its choice
+then ties): no copy, the same checks, and any step of the block that would
 write a weight stops the probe instead.
 """
 
@@ -397,6 +398,8 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
         got = env[region.out]
         if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(out).all())):
             return _NOT_FINITE, None
+        if own and round_ > 0 and _tied(w):
+            return _TIED, None
         got_ids = env[region.ids]
         if got_ids.numel() != ids.numel():
             return f"probe: the graph chooses {tuple(got_ids.shape)} expert ids, the op {tuple(ids.shape)}", None
@@ -419,8 +422,8 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
         last_scale = len(OWN_WEIGHTS_SCALES) - 1 if own else 1  # the first round after which the probe may stop
         for round_ in range(MAX_ROUNDS):
             why, ids = one_round(round_, own)
-            if why is _NOT_FINITE and own and round_ > 0:
-                break  # the block overflows at this scale of its own weights: the rounds before it are the verdict
+            if why is _TIED or (why is _NOT_FINITE and own and round_ > 0):
+                break  # the block overflows, or its routing ties, at this scale: the rounds before it are the verdict
             if why is _NOT_FINITE:
                 return "probe: the outputs are not finite (an overflow) on the probe's inputs"
             if why is not None:
@@ -450,9 +453,10 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
 
 _OUT_OF_MEMORY = "out of memory"  # one_round's verdict, turned into the reason by `_out_of_memory`
 _NOT_FINITE = "not finite"  # one_round's verdict where the graph's or the reference's output overflows
+_TIED = "tied"  # one_round's verdict where grown inputs saturate the routing (its choice is then no longer defined)
 # The hidden states' standard deviation, round by round, where the probe runs on the model's own weights: they may
 # be small (a fresh model's std is 0.02), so larger inputs reach what the drawn weights are chosen to reach (a clamp
-# at 7, a mask's threshold); the rounds stop growing them where an output overflows.
+# at 7, a mask's threshold); the rounds stop growing them where an output overflows or the routing saturates.
 OWN_WEIGHTS_SCALES = (1.0, 8.0, 64.0, 512.0)
 
 
@@ -480,6 +484,15 @@ def _out_of_memory(inputs, subs, own) -> str:
     return (f"probe: out of memory on {devices} drawing the block's inputs ({amount}, a copy of its weights) and "
             f"running it{then}; free that much before compiling, or compile with options={{'validate': False}} "
             "to fuse on the structural match alone")
+
+
+def _tied(weights: torch.Tensor) -> bool:
+    """Whether a routing's chosen weights [T, K] show a saturated router: a weight of 0 (a softmax that underflows)
+    or two equal weights in a row (sigmoids at 1), where which experts tie for the last places is arbitrary."""
+    if not weights.is_floating_point() or weights.numel() == 0:
+        return False
+    w = weights.reshape(weights.shape[0], -1).sort(-1).values
+    return bool((w == 0).any()) or bool((w[:, 1:] == w[:, :-1]).any())
 
 
 def _random_ids(meta: torch.Tensor, num_experts: int, round_: int, gen: torch.Generator, subs) -> torch.Tensor:

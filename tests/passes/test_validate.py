@@ -6,7 +6,7 @@ import operator
 import pytest
 import torch
 
-from mok_compile.hf_blocks import make_block
+from mok_compile.hf_blocks import FAMILIES, WEIGHT_ON_INPUT_FAMILIES, make_block
 from mok_compile.ops.spec import op_kwargs
 from mok_compile.passes.dataflow import Dataflow
 from mok_compile.passes.experts import match_experts
@@ -137,6 +137,44 @@ def test_the_probe_on_the_models_own_weights_still_separates_near_misses(monkeyp
     check, _, _ = _probe_setup(module, torch.randn(2, 5, 64), own_weights=False)
     why = check()
     assert why.startswith("probe: out of memory on cpu") and "no live graph inputs" in why
+
+
+OWN_WEIGHTS_FAMILIES = [*FAMILIES, *WEIGHT_ON_INPUT_FAMILIES, "deepseek_v2"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", OWN_WEIGHTS_FAMILIES)
+def test_every_family_fuses_on_its_own_weights(monkeypatch, family, dtype):
+    """With no memory for a copy of the expert weights, every HF family's block is proved on its own weights and
+    fuses, its output as eager's: the grown inputs stop where they saturate the router (DeepSeek-V2's group-limited
+    softmax underflows to ties at the largest scales)."""
+    from torch._dynamo.utils import counters
+
+    from mok_compile.passes.fuse_moe import fuse_moe
+
+    from .helpers import count_fused, run
+
+    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)
+    (graph,), eager = capture(make_block(family, dtype=dtype), torch.randn(2, 16, 64, dtype=dtype))
+    gm, example = graph
+    counters.clear()
+    report = fuse_moe(gm, example)
+    assert counters["mok"]["probe_own_weights"] == 1 and count_fused(gm) == 1, str(report)
+    got = run(gm, example)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    want = eager[0] if isinstance(eager, (tuple, list)) else eager
+    torch.testing.assert_close(got, want, **({"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}))
+
+
+def test_grown_inputs_that_tie_the_routing_would_disprove_a_right_block(monkeypatch):
+    """The near miss of the tie rule: without it, DeepSeek-V2's block, right as it is, is rejected on its own weights
+    at the grown scales (tied experts chosen differently)."""
+    from mok_compile.passes import validate
+
+    monkeypatch.setattr(validate, "_tied", lambda weights: False)
+    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)
+    check, _, _ = _probe_setup(make_block("deepseek_v2"), torch.randn(2, 16, 64), own_weights=True)
+    assert "different experts" in check()
 
 
 @pytest.mark.parametrize("scales", ["grown", "not grown"])
