@@ -60,6 +60,9 @@ class BlockReport:
     given_ids: bool = False  # the expert ids come from outside the block (hash routing): the op's expert_ids
     expert_scale: bool = False  # the weights are multiplied by a per-expert tensor (Gemma 4): the op's expert_scale
     router_rounded: bool = False  # the router's weight (or bias) is an input rounded in the block (Ergo's fp32 one)
+    # The probe had no memory for a copy of the weights and proved the block on the model's own ones, a weaker proof
+    # where its grown inputs saturate the router before they reach a clamp (`validate.OWN_WEIGHTS_SCALES`).
+    probed_on_own_weights: bool = False
 
 
 @dataclass
@@ -207,9 +210,12 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
         for variant in variants:
             for spec in experts.specs:
                 kw = {**op_kwargs(variant, spec), **given, "_intermediate": experts.intermediate}
-                why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache, live=live)
+                proof = {}
+                why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache, live=live,
+                            proof=proof)
                 if why is None:
                     chosen, routing = spec, variant
+                    report.probed_on_own_weights = proof["own_weights"]
                     break
                 failures.append(why)
             if chosen is not None:

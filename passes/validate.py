@@ -284,7 +284,8 @@ def _operand_key(operand, index):
 
 
 def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs: dict, exports: dict,
-          seed: int = 0, cache: dict | None = None, live: dict | None = None) -> str | None:
+          seed: int = 0, cache: dict | None = None, live: dict | None = None,
+          proof: dict | None = None) -> str | None:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
@@ -293,7 +294,7 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     exports: {"weights": node, "ids": node} the rest of the graph reads and the op's outputs replace. `cache` (one
     per `fuse_moe` call) maps `probe_key`s to verdicts, so structurally identical layers are probed once. `live`
     maps placeholders to the graph's live inputs (`live_inputs`): the weights the probe falls back on where drawing
-    a copy of them runs out of memory.
+    a copy of them runs out of memory; `proof["own_weights"]` then tells whether the verdict was taken on them.
 
     A symbolic token count is lowered for the probe (`probe_sizes`); if the region does not run or does not
     agree at the lowered size, the verdict is taken at the traced size.
@@ -303,13 +304,16 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     key = probe_key(flow, region, roles, operands, kwargs, exports) if cache is not None else None
     if key is not None and key in cache:
         counters["mok"]["probe_cached"] += 1
-        return cache[key]
-    subs = probe_sizes(region)
-    why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live or {})
-    if why is not None and subs:
-        why = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {}, live or {})
-    if key is not None:
-        cache[key] = why
+        why, own = cache[key]
+    else:
+        subs = probe_sizes(region)
+        why, own = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live or {})
+        if why is not None and subs:
+            why, own = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {}, live or {})
+        if key is not None:
+            cache[key] = why, own
+    if proof is not None:
+        proof["own_weights"] = own
     return why
 
 
@@ -344,7 +348,8 @@ def _own_weights(inputs, roles: dict, live: dict, subs) -> dict:
     return own
 
 
-def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live) -> str | None:
+def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live) -> tuple[str | None, bool]:
+    """(why the probe fails or None, whether it ran on the model's own weights)."""
     from torch._dynamo.utils import counters
 
     counters["mok"]["probe_runs"] += 1
@@ -436,7 +441,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
     with torch.no_grad():
         why = rounds({})
         if why is not _OUT_OF_MEMORY:
-            return why
+            return why, False
         _release_cached_memory()  # (the round's tensors are gone)
         own = _own_weights(inputs, roles, live, subs)
         if own:
@@ -445,10 +450,10 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
                      region.out.name)
             why = rounds(own)
             if why is None:
-                return None
+                return None, True
             if why is not _OUT_OF_MEMORY:
-                return f"probe on the model's own weights (no memory for a copy of them): {why}"
-        return _out_of_memory(inputs, subs, own)
+                return f"probe on the model's own weights (no memory for a copy of them): {why}", True
+        return _out_of_memory(inputs, subs, own), bool(own)
 
 
 _OUT_OF_MEMORY = "out of memory"  # one_round's verdict, turned into the reason by `_out_of_memory`

@@ -149,11 +149,19 @@ def _out_of_memory_drawing_weights(monkeypatch):
     monkeypatch.setattr(validate, "_random", random_or_out_of_memory)
 
 
-def test_a_probe_short_of_memory_for_a_copy_runs_on_the_models_own_weights(monkeypatch):
+def test_a_probe_short_of_memory_for_a_copy_runs_on_the_models_own_weights(monkeypatch, capsys):
     """Where drawing a copy of the weights runs out of memory, the probe proves the block on the model's own
-    weights (the graph's live parameters), which it leaves as they were, and the block fuses."""
-    _out_of_memory_drawing_weights(monkeypatch)
+    weights (the graph's live parameters), which it leaves as they were, and the block fuses; explain says which
+    blocks were proved so (the layer whose verdict was cached too)."""
     model, ids = tiny_model("qwen3_moe"), token_ids()
+    report = mok_compile.explain(model, ids)
+    assert not any(b.probed_on_own_weights for b in report.blocks)
+    assert "probed_on_own_weights" not in capsys.readouterr().out
+    _out_of_memory_drawing_weights(monkeypatch)
+    report = mok_compile.explain(model, ids)
+    printed = capsys.readouterr().out
+    assert len(report.fused) == NUM_LAYERS and all(b.probed_on_own_weights for b in report.fused)
+    assert printed.count("probed_on_own_weights") == NUM_LAYERS
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     versions = {name: p._version for name, p in model.named_parameters()}
     want, _, _ = forward(model, ids)
