@@ -181,7 +181,7 @@ def describe_block(b) -> str:
         parts.append(str(b.dtype).replace("torch.", ""))
     if b.form:
         parts.append(f"form={b.form}")
-    if getattr(b, "probed_on_own_weights", False):
+    if b.probed_on_own_weights:
         parts.append("probed_on_own_weights")
     return " ".join(str(p) for p in parts)
 

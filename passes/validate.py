@@ -376,6 +376,7 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
         as they are. Everything the round made dies when it returns, so the next round's draws never meet its copy
         of the weights."""
         env = {}
+        scale = OWN_WEIGHTS_SCALES[min(round_, len(OWN_WEIGHTS_SCALES) - 1)] if own else 1.0  # of the hidden states
         try:
             for n in inputs:
                 meta = meta_value(n)
@@ -387,7 +388,6 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
                     if not meta.is_floating_point():
                         return f"block input {n.name} is not a float tensor", None
                     role = roles.get(n, "hidden")
-                    scale = OWN_WEIGHTS_SCALES[min(round_, len(OWN_WEIGHTS_SCALES) - 1)] if own else 1.0
                     env[n] = _random(meta, std[role] * (scale if role == "hidden" else 1.0), generator(meta.device),
                                      subs)
                 else:
@@ -442,9 +442,9 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
         why = rounds({})
         if why is not _OUT_OF_MEMORY:
             return why, False
-        _release_cached_memory()  # (the round's tensors are gone)
         own = _own_weights(inputs, roles, live, subs)
         if own:
+            _release_cached_memory()  # (the round's tensors are gone)
             counters["mok"]["probe_own_weights"] += 1
             log.info("mok: no memory for the probe's copy of the weights of %s: probing on the model's own ones",
                      region.out.name)

@@ -10,6 +10,8 @@ from torch._dynamo.utils import counters
 import mok_compile
 from mok_compile import diagnostics
 
+from tests.passes.helpers import weights_out_of_memory
+
 from .helpers import NUM_LAYERS, assert_close_rel, forward, tiny_model, token_ids
 
 AOT = {"compiler": "aot_eager"}
@@ -134,21 +136,6 @@ def test_log_level_switch(monkeypatch):
         logger.setLevel(before[1])
 
 
-def _out_of_memory_drawing_weights(monkeypatch):
-    """The probe's draws of the tiny models' expert weights run out of memory (hidden states and router are
-    smaller), as a copy of a large layer's weights does on a GPU that holds the model."""
-    from mok_compile.passes import validate
-
-    real_random = validate._random
-
-    def random_or_out_of_memory(meta, std, gen, subs=None):
-        if meta.numel() >= 8 * 64 * 32:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB.")
-        return real_random(meta, std, gen, subs)
-
-    monkeypatch.setattr(validate, "_random", random_or_out_of_memory)
-
-
 def test_a_probe_short_of_memory_for_a_copy_runs_on_the_models_own_weights(monkeypatch, capsys):
     """Where drawing a copy of the weights runs out of memory, the probe proves the block on the model's own
     weights (the graph's live parameters), which it leaves as they were, and the block fuses; explain says which
@@ -157,7 +144,7 @@ def test_a_probe_short_of_memory_for_a_copy_runs_on_the_models_own_weights(monke
     report = mok_compile.explain(model, ids)
     assert not any(b.probed_on_own_weights for b in report.blocks)
     assert "probed_on_own_weights" not in capsys.readouterr().out
-    _out_of_memory_drawing_weights(monkeypatch)
+    weights_out_of_memory(monkeypatch)
     report = mok_compile.explain(model, ids)
     printed = capsys.readouterr().out
     assert len(report.fused) == NUM_LAYERS and all(b.probed_on_own_weights for b in report.fused)
@@ -180,7 +167,7 @@ def test_a_probe_out_of_memory_leaves_the_block_unfused_with_the_fix(monkeypatch
     probe off the same model fuses."""
     from mok_compile.ops import reference
 
-    _out_of_memory_drawing_weights(monkeypatch)
+    weights_out_of_memory(monkeypatch)
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")

@@ -34,3 +34,19 @@ def ops_in(gm) -> list[str]:
 
 def count_fused(gm) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
+
+
+def weights_out_of_memory(monkeypatch, min_numel=8 * 64 * 32):
+    """The probe's draws of tensors of `min_numel` elements and more run out of memory (by default the tiny
+    models' expert weights; hidden states and router are smaller), as a copy of a large layer's weights does on a
+    GPU that holds the model."""
+    from mok_compile.passes import validate
+
+    real_random = validate._random
+
+    def random_or_out_of_memory(meta, std, gen, subs=None):
+        if meta.numel() >= min_numel:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB.")
+        return real_random(meta, std, gen, subs)
+
+    monkeypatch.setattr(validate, "_random", random_or_out_of_memory)

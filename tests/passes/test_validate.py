@@ -17,7 +17,7 @@ from mok_compile.passes.routing import match_router
 from mok_compile.passes.validate import WritesProtected, live_inputs, probe, run_nodes
 
 from . import models
-from .helpers import capture
+from .helpers import capture, weights_out_of_memory
 
 
 def _probe_setup(module, x, own_weights=False):
@@ -105,25 +105,12 @@ def test_probe_rounds_never_hold_two_copies_of_the_weights(monkeypatch):
     assert alive_at_start == [0] * len(rounds), alive_at_start
 
 
-def _weights_out_of_memory(monkeypatch, min_numel):
-    from mok_compile.passes import validate
-
-    real_random = validate._random
-
-    def random_or_out_of_memory(meta, std, gen, subs=None):
-        if meta.numel() >= min_numel:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.00 GiB.")
-        return real_random(meta, std, gen, subs)
-
-    monkeypatch.setattr(validate, "_random", random_or_out_of_memory)
-
-
 def test_the_probe_on_the_models_own_weights_still_separates_near_misses(monkeypatch):
     """With no memory for a copy of the weights, the probe runs on the block's own ones and rejects the same near
     misses, saying it ran on them; without the live inputs it can only report the shortage."""
     from torch._dynamo.utils import counters
 
-    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)  # the expert weights ([8, 64, 32] and up)
+    weights_out_of_memory(monkeypatch)  # the expert weights ([8, 64, 32] and up)
     module = make_block("mixtral", dtype=torch.float32)
     check, routing, expert = _probe_setup(module, torch.randn(2, 5, 64), own_weights=True)
     counters.clear()
@@ -154,7 +141,7 @@ def test_every_family_fuses_on_its_own_weights(monkeypatch, family, dtype):
 
     from .helpers import count_fused, run
 
-    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)
+    weights_out_of_memory(monkeypatch)
     (graph,), eager = capture(make_block(family, dtype=dtype), torch.randn(2, 16, 64, dtype=dtype))
     gm, example = graph
     counters.clear()
@@ -172,7 +159,7 @@ def test_grown_inputs_that_tie_the_routing_would_disprove_a_right_block(monkeypa
     from mok_compile.passes import validate
 
     monkeypatch.setattr(validate, "_tied", lambda weights: False)
-    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)
+    weights_out_of_memory(monkeypatch)
     check, _, _ = _probe_setup(make_block("deepseek_v2"), torch.randn(2, 16, 64), own_weights=True)
     assert "different experts" in check()
 
@@ -186,7 +173,7 @@ def test_the_probe_grows_the_inputs_on_the_models_own_weights_to_reach_the_clamp
 
     if scales == "not grown":
         monkeypatch.setattr(validate, "OWN_WEIGHTS_SCALES", (1.0,))
-    _weights_out_of_memory(monkeypatch, 8 * 64 * 32)
+    weights_out_of_memory(monkeypatch)
     check, routing, expert = _probe_setup(make_block("gpt_oss", dtype=torch.float32), torch.randn(2, 5, 64),
                                           own_weights=True)
     assert expert.limit == 7.0 and check() is None
@@ -204,7 +191,7 @@ def test_an_overflow_on_the_own_weights_ends_the_growth_and_is_otherwise_a_failu
 
     monkeypatch.setattr(validate, "OWN_WEIGHTS_SCALES", (1.0, 8.0, 1e6))  # the last overflows fp16
     with monkeypatch.context() as m:
-        _weights_out_of_memory(m, 8 * 64 * 32)
+        weights_out_of_memory(m)
         block = make_block("mixtral", dtype=torch.float16)
         check, routing, _ = _probe_setup(block, torch.randn(2, 5, 64, dtype=torch.float16), own_weights=True)
         assert check() is None
