@@ -3,6 +3,7 @@
     python -m benchmarks.e2e_qwen3 --out DIR [--seq 4096 --batch 2] [--ddp] [--model gemma4]
     python -m benchmarks.e2e_qwen3 --out DIR --decode 1,8,64
     python -m benchmarks.e2e_qwen3 --out DIR --seq 256 --batch 1 --mode reduce-overhead
+    python -m benchmarks.e2e_qwen3 --out DIR --checkpoint     # every decoder layer activation-checkpointed
     torchrun --nproc-per-node 2 -m benchmarks.e2e_qwen3 --out DIR --ddp     # DDP over two GPUs
 
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
@@ -21,6 +22,9 @@ with `optimize_ddp=False` (mok fuses every block, then cuts the graph into DDP's
 that without the cutting (`ddp_buckets=False`: all-reduce starts after the whole backward).
 --mode sets torch.compile's mode for both backends: at a few hundred tokens a step in default mode waits on the
 host on both sides (NOTES v52), and "reduce-overhead" replays each compiled graph from a CUDA graph.
+--checkpoint checkpoints every decoder layer (transformers' activation checkpointing, non-reentrant; Dynamo told to
+trace the regions, `hf_blocks.checkpoint_layers`) for both backends: the backward runs each layer again. Every run
+reports the training step's peak memory above what was allocated before it (gradients of the step before dropped).
 --decode B,... times, per batch size B, a decode-shaped forward instead (B sequences of one token, no KV cache,
 no_grad; the MoE layers see T = B tokens), in default mode: inductor, mok, and mok with the op's few-token CUDA
 graphs off (`mok_compile.kernels.graphs`, NOTES v49), in alternating rounds.
@@ -207,6 +211,7 @@ def main():
     ap.add_argument("--mode", default=None, help='torch.compile mode of both backends, e.g. "reduce-overhead"')
     ap.add_argument("--decode", help="comma-separated batch sizes: time one-token forwards instead (docstring)")
     ap.add_argument("--model", default="qwen3", choices=sorted(MOE_SIZES), help="the model (see the docstring)")
+    ap.add_argument("--checkpoint", action="store_true", help="activation-checkpoint every decoder layer")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
@@ -236,6 +241,11 @@ def main():
                     ("mok (DDP, optimize_ddp=False, uncut)", whole, False)]
     else:
         model = build_model(args.layers, args.seq, args.model)
+    if args.checkpoint:
+        from mok_compile.hf_blocks import checkpoint_layers
+
+        checkpoint_layers(model.module if args.ddp else model)
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     say = print if rank == 0 else (lambda *a, **k: None)
     vocab = (model.module if args.ddp else model).config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), device="cuda",
@@ -272,6 +282,13 @@ def main():
         for _ in range(2):  # warm: the op's few-token graphs are captured on a signature's second call
             train_step()
             prefill()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        train_step()
+        torch.cuda.synchronize()
+        results[name]["train_peak_gb"] = (torch.cuda.max_memory_allocated() - start) / 1e9
         steps[name] = (train_step, prefill)
     gc.collect()
     timed = [(name + kind, steps[name][i]) for name in steps for i, kind in enumerate(("/train", "/prefill"))]
@@ -290,10 +307,11 @@ def main():
         say(name, results[name], flush=True)
     base, *others = [name for name, _, _ in variants]
     r = results
-    say("| backend | train step ms | train tok/s | prefill ms | prefill tok/s |\n|---|---|---|---|---|")
+    say("| backend | train step ms | train tok/s | train peak GB | prefill ms | prefill tok/s |\n"
+        "|---|---|---|---|---|---|")
     for name in (base, *others):
-        say(f"| {name} | {r[name]['train_ms']:.1f} | {r[name]['train_tok_s']:.0f} | {r[name]['prefill_ms']:.1f} "
-            f"| {r[name]['prefill_tok_s']:.0f} |")
+        say(f"| {name} | {r[name]['train_ms']:.1f} | {r[name]['train_tok_s']:.0f} | {r[name]['train_peak_gb']:.2f} "
+            f"| {r[name]['prefill_ms']:.1f} | {r[name]['prefill_tok_s']:.0f} |")
     for name in others:
         a, b = tails[base], tails[name]
         r[name]["logits_rel_err_vs_" + base.split()[0]] = err = ((a - b).norm() / a.norm()).item()
@@ -309,8 +327,9 @@ def main():
     say("the op's graphs: " + "; ".join(f"{n} {name}, {b / 1e6:.0f} MB"
                                         for name, (n, b) in results["op_graphs"].items()))
     if rank == 0:
-        name = f"e2e_{args.model}" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "") + ".json"
-        results["mode"] = args.mode
+        name = (f"e2e_{args.model}" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "")
+                + ("_checkpointed" if args.checkpoint else "") + ".json")
+        results["mode"], results["checkpoint"] = args.mode, args.checkpoint
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(results, f, indent=1)
     if args.ddp:

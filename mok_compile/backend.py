@@ -36,6 +36,7 @@ def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: 
     """Dynamo backend: rewrite every provable MoE block of `gm`, then compile with the inner compiler."""
     opts = parse_options(options, mode)
     report = fuse_graph(gm, example_inputs, opts)
+    diagnostics.warn_untraced_checkpoints()
     if ddp.cut_by_dynamo(gm):
         diagnostics.warn_ddp_cuts(ddp.cut_blocks(gm, report))
     bucket_cap = ddp.bucket_cap_to_apply() if opts.ddp_buckets else None
@@ -104,15 +105,17 @@ def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Back
         from torch._inductor.compile_fx import compile_fx
 
         patches = opts.inductor_patches()
-        if patches.get("triton.cudagraphs"):
+        cudagraphs = bool(patches.get("triton.cudagraphs"))
+        if cudagraphs:
             _state["used_cudagraphs"] = True
-        elif _has_fused_moe(gm):  # let its compiled backward write dh over the saved h (as eager does)
+        if _has_fused_moe(gm):  # `passes.post_grad`: a compiled backward writes dh over the saved h (as eager
+            # does; not under CUDA graphs), a forward whose saved tensors nobody reads skips them
             from torch._inductor import config as inductor_config
 
-            from mok_compile.passes.backward_consume import ConsumeSavedGateUp
+            from mok_compile.passes.post_grad import MokPostGradPass
 
             user_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-            patches["post_grad_custom_post_pass"] = ConsumeSavedGateUp(then=user_pass)
+            patches["post_grad_custom_post_pass"] = MokPostGradPass(consume=not cudagraphs, then=user_pass)
         return compile_fx(gm, example_inputs, config_patches=patches)
     if opts.compiler == "aot_eager":
         from torch._dynamo.backends.registry import lookup_backend
@@ -122,10 +125,11 @@ def compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Back
 
 
 def _has_fused_moe(gm: torch.fx.GraphModule) -> bool:
-    """Whether `gm` calls mok.fused_moe: put there by the rewrite (the overload) or by the user (Dynamo records
-    the packet, `torch.ops.mok.fused_moe`)."""
+    """Whether `gm` calls mok.fused_moe, itself or in a body it runs (an activation-checkpointed region): put
+    there by the rewrite (the overload) or by the user (Dynamo records the packet, `torch.ops.mok.fused_moe`)."""
     op = torch.ops.mok.fused_moe
-    return any(node.target is op or node.target is op.default for node in gm.graph.nodes)
+    return any(node.target is op or node.target is op.default
+               for module in gm.modules() if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes)
 
 
 _state = {"used_cudagraphs": False}

@@ -57,7 +57,13 @@ def configure_logging(level: str | int | None = None) -> None:
     logger.setLevel(level)
 
 
-_warned = {"eager_fragment": False, "ddp_cut": False}
+_warned = {"eager_fragment": False, "ddp_cut": False, "checkpoint": False}
+
+UNTRACED_CHECKPOINT = (
+    "Dynamo could not trace an activation-checkpointed region (a side effect in it, such as the context variable "
+    "that transformers' hub-kernel layers set), so the region runs eagerly and its MoE blocks unfused, under any "
+    "backend"
+)
 
 
 def warn_eager_fragments(report) -> None:
@@ -87,6 +93,29 @@ def warn_ddp_cuts(cut: list[str]) -> None:
                           f"Fix: {ddp.FIX}. (Warned once; MOK_LOG_LEVEL=INFO lists every piece.)")
 
 
+def checkpoint_hint(break_reasons) -> str | None:
+    """Dynamo's own hint (its wording follows the torch version) for the first break reason saying that an
+    activation-checkpointed region could not be traced because of a side effect, else None."""
+    for reason in break_reasons:
+        text = str(reason)
+        if text.startswith("HOP: Unsafe side effect") and "checkpoint" in text:
+            hint = next((ln.strip() for ln in text.splitlines() if ln.strip().startswith("Hint:")), "Hint: ?")
+            return hint[len("Hint:"):].strip()
+    return None
+
+
+def warn_untraced_checkpoints() -> None:
+    """Warn once per process when Dynamo has given up on an activation-checkpointed region (`checkpoint_hint`):
+    the backend never sees that region, so without this the user would only see fewer blocks fused."""
+    if _warned["checkpoint"]:
+        return
+    from torch._dynamo.utils import counters
+
+    hint = checkpoint_hint(counters["graph_break"])
+    if hint is not None:
+        _warn_once("checkpoint", f"mok: {UNTRACED_CHECKPOINT}. Dynamo's hint: {hint}")
+
+
 def _warn_once(key: str, message: str) -> None:
     """`message` as a UserWarning (pointing at the caller of the `warn_*` function), the first time `key` comes up in
     this process."""
@@ -110,6 +139,7 @@ class ExplainReport:
     break_reasons: list[str] = field(default_factory=list)
     pass_errors: list[str] = field(default_factory=list)  # the pass raised (a bug): graph left unfused
     ddp_cuts: list[str] = field(default_factory=list)  # parts of MoE blocks in pieces Dynamo cut for DDP
+    checkpoint_hint: str | None = None  # Dynamo's hint where it could not trace an activation-checkpointed region
 
     @property
     def fused(self):
@@ -139,6 +169,9 @@ class ExplainReport:
         if self.break_reasons:
             lines.append("graph breaks:")
             lines += [f"  - {r}" for r in self.break_reasons]
+        if self.checkpoint_hint is not None:
+            lines.append(f"activation checkpointing: {UNTRACED_CHECKPOINT}")
+            lines.append(f"  fix (Dynamo's hint): {self.checkpoint_hint}")
         return "\n".join(lines)
 
 
@@ -183,6 +216,8 @@ def describe_block(b) -> str:
         parts.append(f"form={b.form}")
     if b.probed_on_own_weights:
         parts.append("probed_on_own_weights")
+    if b.checkpointed:
+        parts.append("checkpointed")
     return " ".join(str(p) for p in parts)
 
 
@@ -248,5 +283,6 @@ def explain(model, *example_inputs, validate: bool = True, **kwargs) -> ExplainR
     seen = {_short_reason(r.reason) for r in located}
     lines += [_short_reason(r) for r in new_breaks if _short_reason(r) not in seen]
     report.break_reasons = [line if n == 1 else f"{line} (x{n})" for line, n in collections.Counter(lines).items()]
+    report.checkpoint_hint = checkpoint_hint([*new_breaks, *(r.reason for r in located)])
     print(report)
     return report

@@ -228,6 +228,18 @@ def _block_class(family: str):
     return getattr(mod, names[family])
 
 
+def checkpoint_layers(model, reentrant: bool = False) -> None:
+    """transformers' activation checkpointing of every decoder layer (`activation_checkpointing_enable` from 5.25 on,
+    `gradient_checkpointing_enable` before). Under torch.compile, transformers' hub-kernel layers set a context
+    variable inside each checkpointed layer, on which Dynamo gives the region up unless
+    `torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint` is set (`mok_compile.explain` says so)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def init_moe_weights_(module: torch.nn.Module, std: float = 0.02, seed: int = 0):
     """Random weights for every parameter and float buffer (HF leaves some at torch.empty)."""
     gen = torch.Generator().manual_seed(seed)

@@ -8,7 +8,7 @@
 aot_autograd keeps the functional `fused_moe_backward` in the backward graph (graphs stay functional), so a
 compiled backward holds h and a second [T*K, 2I] buffer for dh at once: one h more than the eager op's
 backward, which writes dh over h (`fused_moe_backward_consume`). Saved tensors reach the backward graph as
-its inputs, so this pass runs after aot_autograd (inductor's `post_grad_custom_post_pass`) where no
+its inputs, so this pass runs after aot_autograd (inductor's `post_grad_custom_post_pass`, `post_grad`) where no
 functionalization undoes the mutation. Whether h is dead is only known at run time (a backward under
 retain_graph must leave it intact), so the op decides per call (`if_graph_freed`). Not installed under
 CUDA graphs (`mode="reduce-overhead"`): a graph that mutates its inputs is not captured.
@@ -23,7 +23,6 @@ import logging
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 log = logging.getLogger("mok_compile.passes")
 
@@ -77,23 +76,3 @@ def _consume_arguments(args, kwargs) -> tuple[tuple, dict]:
         else:
             new_args.append(named[arg.name] if arg.name in named else arg.default_value)
     return tuple(new_args), new_kwargs
-
-
-class ConsumeSavedGateUp(CustomGraphPass):
-    """`consume_saved_gate_up` as inductor's post-grad custom pass, then the user's own pass if they set one."""
-
-    def __init__(self, then=None):
-        self.then = then
-
-    def __call__(self, graph: fx.Graph) -> None:
-        consume_saved_gate_up(graph)
-        if self.then is not None:
-            self.then(graph)
-
-    def uuid(self):
-        """Inductor's FX graph cache key: this file, and the user's pass's key (None, which makes inductor
-        skip its cache, where the user's pass has none)."""
-        if self.then is None:
-            return get_hash_for_files((__file__,))
-        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
-        return (get_hash_for_files((__file__,)), then) if then else None

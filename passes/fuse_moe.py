@@ -25,6 +25,7 @@ import torch.fx as fx
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
 
 from . import eager_fragments, lone_experts
+from .checkpointed import fuse_checkpointed
 from .dataflow import Dataflow
 from .experts import SPLIT_LOOP, ExpertsMatch, Stack, match_experts, region_form
 from .op_names import CAST_OPS, module_path, tensor_meta
@@ -63,6 +64,8 @@ class BlockReport:
     # The probe had no memory for a copy of the weights and proved the block on the model's own ones, a weaker proof
     # where its grown inputs saturate the router before they reach a clamp (`validate.OWN_WEIGHTS_SCALES`).
     probed_on_own_weights: bool = False
+    # In an activation-checkpointed region (`checkpointed`): the backward runs the block's forward again.
+    checkpointed: bool = False
 
 
 @dataclass
@@ -252,13 +255,35 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     and recompiled. `validate=False` skips the numerical probe (structural proof only). Unmatched candidates
     are reported, not raised, unless `strict=True` (then `MoeFusionError`). `before_rewrite` is called before
     each block's rewrite, the only changes the pass makes to the graph (the backend copies the graph at the first,
-    to put it back should the pass fail later: a graph without a fusable block is never copied).
+    to put it back should the pass fail later: a graph without a fusable block is never copied). Blocks inside
+    activation-checkpointed regions are fused in copies of their bodies (`checkpointed`), which the graph then
+    calls instead.
     """
     from torch._dynamo.utils import counters
 
+    probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once, checkpointed or not
+    report = _fuse_blocks(gm, example_inputs, validate, before_rewrite, probe_cache)
+    for block in report.blocks:
+        if block.fused:
+            counters["mok"]["fused_moe"] += 1
+            log.info("mok: fused MoE block %s (%s, E=%s, K=%s, %s)", block.name, block.form, block.num_experts,
+                     block.top_k, block.dtype)
+        else:
+            counters["mok"]["rejected_moe"] += 1
+            # Eager-experts fragments get one user warning per process from the backend, not one per compile; lone
+            # experts are reported (explain, INFO), not warned about: DDP's cutting makes them too, and warns itself.
+            level = logging.INFO if block.form in REPORT_ONLY_FORMS else logging.WARNING
+            log.log(level, "mok: MoE block %s not fused: %s", block.name, block.reason)
+    if strict and report.rejected:
+        b = report.rejected[0]
+        raise MoeFusionError(f"MoE block {b.name} was not fused: {b.reason}")
+    return report
+
+
+def _fuse_blocks(gm: fx.GraphModule, example_inputs, validate: bool, before_rewrite, probe_cache: dict) -> FuseReport:
+    """`fuse_moe` on one graph and the checkpointed bodies it calls, uncounted."""
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
-    probe_cache: dict = {}  # probe verdicts by block structure: identical layers are probed once
     live = live_inputs(gm, example_inputs) if validate else {}  # the weights a probe short of memory runs on
     flow = Dataflow(gm.graph)
     anchors = block_anchors(gm, flow)
@@ -280,21 +305,10 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     report.blocks.extend(eager_fragments.find_eager_fragments(gm))
     report.blocks.extend(lone_experts.find_lone_experts(gm, hash_routed_only=bool(anchors),
                                                         anchored={ids for _, ids in anchors}))
-    for block in report.blocks:
-        if block.fused:
-            counters["mok"]["fused_moe"] += 1
-            log.info("mok: fused MoE block %s (%s, E=%s, K=%s, %s)", block.name, block.form, block.num_experts,
-                     block.top_k, block.dtype)
-        else:
-            counters["mok"]["rejected_moe"] += 1
-            # Eager-experts fragments get one user warning per process from the backend, not one per compile; lone
-            # experts are reported (explain, INFO), not warned about: DDP's cutting makes them too, and warns itself.
-            level = logging.INFO if block.form in REPORT_ONLY_FORMS else logging.WARNING
-            log.log(level, "mok: MoE block %s not fused: %s", block.name, block.reason)
+    report.blocks.extend(fuse_checkpointed(
+        gm, example_inputs, lambda body, inputs: _fuse_blocks(body, inputs, validate, None, probe_cache),
+        before_rewrite))
     if report.fused:
         gm.graph.lint()
         gm.recompile()
-    if strict and report.rejected:
-        b = report.rejected[0]
-        raise MoeFusionError(f"MoE block {b.name} was not fused: {b.reason}")
     return report

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mok_compile.hf_blocks import available, init_moe_weights_
+from mok_compile.hf_blocks import available, checkpoint_layers, init_moe_weights_
 
 from .helpers import FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
@@ -331,3 +331,57 @@ def test_ergo_trains_fused(dtype):
     if dtype == torch.bfloat16:  # the fp32 router weights' gradients come through their rounding to bf16, as HF's do
         grads = [layer.mlp.gate.linear.weight.grad for layer in model.model.layers]
         assert all(g.dtype == torch.float32 and torch.equal(g.bfloat16().float(), g) for g in grads)
+
+
+@pytest.fixture
+def dynamo_traces_checkpoints():
+    """transformers' hub-kernel layers set a context variable inside each checkpointed layer, a side effect on which
+    Dynamo gives the region up (and runs it eagerly) unless told that the backward need not replay it."""
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield
+
+
+@pytest.mark.usefixtures("dynamo_traces_checkpoints")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_checkpointed(family, dtype):
+    """Every decoder layer checkpointed: each MoE block is fused inside its layer's checkpointed region, and the
+    loss and every gradient are eager's (which runs each layer twice as well)."""
+    model = tiny_model(family, dtype)
+    checkpoint_layers(model)
+    _check_step(model, dtype, train=True)
+
+
+@pytest.mark.usefixtures("dynamo_traces_checkpoints")
+def test_training_checkpointed_reentrant():
+    model = tiny_model("qwen3_moe")
+    checkpoint_layers(model, reentrant=True)
+    _check_step(model, torch.float32, train=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("dynamo_traces_checkpoints")
+def test_training_checkpointed_on_cuda_with_inductor():
+    """bf16 on the GPU, inductor, every layer checkpointed: each block fused; the forward runs the inference op (its
+    saved tensors would go unread: passes.unsaved_forward) and the backward the training op again; loss and gradients
+    as eager's, and two steps give the same bits (the kernels are deterministic, recomputation included)."""
+    model = tiny_model("qwen3_moe", torch.bfloat16).cuda()
+    checkpoint_layers(model)
+    ids = token_ids().cuda()
+    want_logits, want_loss, want_grads = forward(model, ids, train=True)
+    steps = []
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(model, backend="mok")
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            out = compiled(ids, labels=ids)
+            out.loss.backward()
+            steps.append([out.loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["unsaved_forward"] == NUM_LAYERS
+    assert all(torch.equal(a, b) for a, b in zip(*steps))
+    got_loss, *got = steps[0]
+    assert_close_rel(got_loss, want_loss, 1e-2, "loss")
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    for name, g in zip(names, got):
+        assert_close_rel(g, want_grads[name], TOL[torch.bfloat16]["grads"], f"grad of {name}")

@@ -1,4 +1,5 @@
-"""The two inductor compiles of the suite (15-40 s each on 2 cores): no-MoE identity, one MoE model end to end."""
+"""The suite's inductor compiles (15-40 s each on 2 cores): no-MoE identity, one MoE model end to end, checkpointed or
+not."""
 
 import pytest
 import torch
@@ -39,21 +40,31 @@ def test_without_moe_mok_is_exactly_inductor():
 
 
 @pytest.mark.slow
-def test_moe_model_end_to_end_with_inductor():
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_moe_model_end_to_end_with_inductor(checkpointed):
     """Qwen3-MoE, training step: inductor compiles the graph holding mok.fused_moe and its backward, in which
-    each layer's backward reads the saved h through `fused_moe_backward_consume` (passes.backward_consume)."""
+    each layer's backward reads the saved h through `fused_moe_backward_consume` (passes.backward_consume).
+    Checkpointed (every decoder layer), the forward keeps nothing of the op for the backward, so it runs the inference
+    op (passes.unsaved_forward), and the backward runs the training op again, whose h is not a saved tensor."""
     from mok_compile.ops.cpu import extension_loaded
 
+    from mok_compile.hf_blocks import checkpoint_layers
+
     model = tiny_model("qwen3_moe")
+    if checkpointed:
+        checkpoint_layers(model)
     ids = token_ids()
     want_logits, want_loss, want_grads = forward(model, ids, train=True)
-    # inductor's caches off: a cached backward would skip the post-grad pass that the counter below counts
+    # inductor's caches off: a cached graph would skip the post-grad passes that the counters below count
     with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
         got_logits, got_loss, got_grads = forward(model, ids, backend="mok", train=True)
     assert counters["mok"]["fused_moe"] == NUM_LAYERS
     # fp32 on the CPU: the C++ kernel saves h for the backward where it is built (CI builds it)
-    assert counters["mok"]["backward_consume"] == (NUM_LAYERS if extension_loaded() else 0)
+    saved = NUM_LAYERS if extension_loaded() else 0
+    assert counters["mok"]["backward_consume"] == (0 if checkpointed else saved)
+    assert counters["mok"]["unsaved_forward"] == (saved if checkpointed else 0)
     assert_close_rel(got_logits, want_logits, 1e-4, "logits")
     assert_close_rel(got_loss, want_loss, 1e-5, "loss")
     for name, want in want_grads.items():

@@ -9,7 +9,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mok_compile.ops.library import _saves_gate_up
-from mok_compile.passes.backward_consume import ConsumeSavedGateUp, consume_saved_gate_up
+from mok_compile.passes.backward_consume import consume_saved_gate_up
+from mok_compile.passes.post_grad import MokPostGradPass
 from tests.ops.moe_cases import CASES_BY_NAME, make_args
 
 BACKWARD = torch.ops.mok.fused_moe_backward.default
@@ -142,11 +143,11 @@ def test_pass_chains_the_users_pass_and_its_cache_key():
             return "theirs-v1"
 
     graph = torch.fx.Graph()
-    ours = ConsumeSavedGateUp(then=Theirs())
+    ours = MokPostGradPass(then=Theirs())
     ours(graph)
-    assert seen == [graph] and ours.uuid()[1] == "theirs-v1"
-    assert ConsumeSavedGateUp(then=lambda g: None).uuid() is None  # no key: inductor must not cache
-    assert ConsumeSavedGateUp().uuid()
+    assert seen == [graph] and ours.uuid()[-1] == "theirs-v1"
+    assert MokPostGradPass(then=lambda g: None).uuid() is None  # no key: inductor must not cache
+    assert MokPostGradPass().uuid() != MokPostGradPass(consume=False).uuid()  # inductor caches each apart
 
 
 def test_installed_for_graphs_that_call_the_op_directly_or_through_the_rewrite():
