@@ -19,12 +19,10 @@ rewritten code uncounted (benchmarks/NOTES-gpu.md v52 (5)).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
-log = logging.getLogger("mok_compile.passes")
+from .swap_call import count_swaps, swap_call
 
 
 def consume_saved_gate_up(graph: fx.Graph) -> int:
@@ -40,21 +38,13 @@ def consume_saved_gate_up(graph: fx.Graph) -> int:
         norm_input = node.kwargs.get("post_norm_input")
         if norm_input is not None and not _dead_input(norm_input):
             continue
-        with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.mok.fused_moe_backward_consume.default,
-                                      *_consume_arguments(node.args, node.kwargs))
-        new.meta.update(node.meta)  # same outputs: meta["val"] stays valid
+        # same outputs: meta["val"] stays valid
+        new = swap_call(graph, node, torch.ops.mok.fused_moe_backward_consume.default,
+                        *_consume_arguments(node.args, node.kwargs))
         if "eager_input_vals" in node.meta:  # the call's fake inputs, which inductor matches to the schema
             new.meta["eager_input_vals"] = _consume_arguments(*node.meta["eager_input_vals"])
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
         done += 1
-    if done:
-        from torch._dynamo.utils import counters
-
-        counters["mok"]["backward_consume"] += done
-        log.info("mok: %d compiled backward(s) write dh over the saved h", done)
-    return done
+    return count_swaps("backward_consume", done, "mok: %d compiled backward(s) write dh over the saved h")
 
 
 def _dead_input(value) -> bool:

@@ -13,13 +13,12 @@ Counted in `counters["mok"]["unsaved_forward"]`.
 
 from __future__ import annotations
 
-import logging
 import operator
 
 import torch
 import torch.fx as fx
 
-log = logging.getLogger("mok_compile.passes")
+from .swap_call import count_swaps, swap_call
 
 COMMON_OUTPUTS = 3  # out, topk_weights, topk_ids: the inference op's outputs, the training op's first three
 
@@ -29,22 +28,12 @@ def inference_where_unsaved(graph: fx.Graph) -> int:
     train = torch.ops.mok.fused_moe_train.default
     done = 0
     for node in list(graph.nodes):
-        if node.target is not train or not _reads_common_outputs_only(node):
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.mok.fused_moe.default, node.args, node.kwargs)
-        new.meta.update(node.meta)
-        if "val" in node.meta:
-            new.meta["val"] = tuple(node.meta["val"][:COMMON_OUTPUTS])
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        done += 1
-    if done:
-        from torch._dynamo.utils import counters
-
-        counters["mok"]["unsaved_forward"] += done
-        log.info("mok: %d compiled forward(s) skip the saved tensors no backward reads", done)
-    return done
+        if node.target is train and _reads_common_outputs_only(node):
+            val = node.meta.get("val")
+            swap_call(graph, node, torch.ops.mok.fused_moe.default, node.args, node.kwargs,
+                      val=None if val is None else tuple(val[:COMMON_OUTPUTS]))
+            done += 1
+    return count_swaps("unsaved_forward", done, "mok: %d compiled forward(s) skip the saved tensors no backward reads")
 
 
 def _reads_common_outputs_only(node: fx.Node) -> bool:
