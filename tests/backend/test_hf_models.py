@@ -362,11 +362,11 @@ def test_training_checkpointed_reentrant():
 @pytest.mark.gpu
 @pytest.mark.usefixtures("dynamo_traces_checkpoints")
 def test_training_checkpointed_on_cuda_with_inductor():
-    """bf16 on the GPU, inductor, every layer checkpointed: each block fused; the forward runs the inference op (its
-    saved tensors would go unread: passes.unsaved_forward) and the backward the training op again; loss and gradients
-    as eager's within bf16 rounding (inductor fuses the rest of the layer, and rounds it, its own way: the gradients
-    are compared by their relative Frobenius error)."""
-    model = tiny_model("qwen3_moe", torch.bfloat16).cuda()
+    """fp32 on the GPU (in bf16, inductor's own rounding of the rest of the layer moves these tiny gradients by ~10%
+    from eager's, with or without the op), inductor, every layer checkpointed: each block fused; the forward runs the
+    inference op (its saved tensors would go unread: passes.unsaved_forward) and the backward the training op again;
+    logits, loss and every gradient as eager's."""
+    model = tiny_model("qwen3_moe").cuda()
     checkpoint_layers(model)
     ids = token_ids().cuda()
     want_logits, want_loss, want_grads = forward(model, ids, train=True)
@@ -375,7 +375,7 @@ def test_training_checkpointed_on_cuda_with_inductor():
         got_logits, got_loss, got_grads = forward(model, ids, backend="mok", train=True)
     assert counters["mok"]["fused_moe"] == NUM_LAYERS and counters["mok"]["unsaved_forward"] == NUM_LAYERS, \
         dict(counters["mok"])
-    assert_close_rel(got_loss, want_loss, 1e-2, "loss")
-    errors = {name: ((got_grads[name].float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
-              for name, want in want_grads.items()}
-    assert max(errors.values()) < 2e-2, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    assert_close_rel(got_logits, want_logits, 1e-4, "logits")
+    assert_close_rel(got_loss, want_loss, 1e-5, "loss")
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, 1e-3, f"grad of {name}")
