@@ -211,20 +211,27 @@ def probe_key(flow, region, roles: dict, operands: list, kwargs: dict, exports: 
     """Everything `probe` depends on, with node names replaced by positions: two blocks with the same key get the
     same verdict (same op sequence, targets, constants, shapes, dtypes, devices, roles of the inputs, operands,
     op keywords). None when the region holds something the key cannot capture (a call_module, an unknown
-    constant): such a block is always probed."""
-    inputs = [region.root, *region.inputs]
-    nodes = flow.sorted(region.nodes)
-    index = {n: i for i, n in enumerate(inputs + nodes)}
+    constant): such a block is always probed.
+
+    Under dynamic shapes a size Dynamo specialised is a SymInt of constant value, in one layer a graph node (`size()`
+    of the layer's input) and in the next a plain int; each layer's float attribute (a routed scale) is a symbol of its
+    own. So sizes of constant value count as those constants (their nodes left out), and symbols are named by the
+    order in which the key meets them: identical layers share a key, and blocks whose sizes relate differently (one
+    symbol where the other has two) do not."""
+    keyer = _Keyer()
+    inputs = [n for n in (region.root, *region.inputs) if not _constant_size(n)]
+    nodes = [n for n in flow.sorted(region.nodes) if not _constant_size(n)]
+    keyer.index = {n: i for i, n in enumerate(inputs + nodes)}
+    freeze, index = keyer.freeze, keyer.index
     try:
         key = (
-            tuple((n.op, roles.get(n, "hidden"), _meta_key(meta_value(n))) for n in inputs),
-            tuple((n.op, _target_key(n), _freeze(n.args, index), _freeze(n.kwargs, index), _meta_key(meta_value(n)))
-                  for n in nodes),
-            tuple(_operand_key(o, index) for o in operands),
-            tuple(sorted((k, _freeze(v, index)) for k, v in exports.items())),
-            tuple(sorted((k, _freeze(v, index)) for k, v in kwargs.items())),
-            index[region.out], index[region.ids], index[region.x], _freeze(region.T, index), _freeze(region.H, index),
-            _freeze(region.E, index), region.K,
+            tuple((n.op, roles.get(n, "hidden"), keyer.meta(meta_value(n))) for n in inputs),
+            tuple((n.op, _target_key(n), freeze(n.args), freeze(n.kwargs), keyer.meta(meta_value(n))) for n in nodes),
+            tuple(_operand_key(o, keyer) for o in operands),
+            tuple(sorted((k, freeze(v)) for k, v in exports.items())),
+            tuple(sorted((k, freeze(v)) for k, v in kwargs.items())),
+            index[region.out], index[region.ids], index[region.x], freeze(region.T), freeze(region.H),
+            freeze(region.E), region.K,
         )
         hash(key)
     except (_NoKey, TypeError, KeyError):
@@ -237,34 +244,53 @@ class _NoKey(Exception):
 
 
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
-def _freeze(v, index):
-    if isinstance(v, fx.Node):
-        return ("node", index[v])
-    if v is None or v is Ellipsis:
-        return (repr(v),)
-    if isinstance(v, _PLAIN):
-        return (type(v).__name__, v)
-    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("sym", type(v).__name__, str(v.node.expr), concrete(v))
-    if isinstance(v, slice):
-        return ("slice", _freeze(v.start, index), _freeze(v.stop, index), _freeze(v.step, index))
-    if isinstance(v, (list, tuple)):  # torch.Size too
-        return (type(v).__name__, tuple(_freeze(x, index) for x in v))
-    if isinstance(v, dict):
-        return ("dict", tuple(sorted((str(k), _freeze(x, index)) for k, x in v.items())))
-    raise _NoKey(type(v).__name__)
+def _constant_size(node) -> bool:
+    """A node whose value is a symbolic scalar Dynamo specialised to a constant."""
+    v = meta_value(node)
+    return isinstance(v, _SYM) and v.node.expr.is_number
 
 
-def _meta_key(meta):
-    if isinstance(meta, torch.Tensor):
-        return ("tensor", _freeze(tuple(meta.shape), {}), meta.dtype, meta.device)
-    if isinstance(meta, (list, tuple)):
-        return ("seq", tuple(_meta_key(m) for m in meta))
-    if meta is None or isinstance(meta, (_PLAIN, torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return _freeze(meta, {})
-    return ("other", type(meta).__name__)
+class _Keyer:
+    """Freezes graph values into hashable keys: nodes by `index`, symbols by the order they are met."""
+
+    def __init__(self):
+        self.index: dict = {}
+        self.symbols: dict = {}
+
+    def freeze(self, v):
+        if isinstance(v, fx.Node):
+            return self.freeze(meta_value(v)) if _constant_size(v) else ("node", self.index[v])
+        if v is None or v is Ellipsis:
+            return (repr(v),)
+        if isinstance(v, _PLAIN):
+            return (type(v).__name__, v)
+        if isinstance(v, _SYM):
+            expr = v.node.expr
+            if expr.is_number:
+                return self.freeze(concrete(v))
+            names = {s: self.symbols.setdefault(str(s), f"c{len(self.symbols)}")
+                     for s in sorted(expr.free_symbols, key=str)}
+            renamed = expr.xreplace({s: type(s)(name, **s.assumptions0) for s, name in names.items()})
+            return ("sym", type(v).__name__, str(renamed), concrete(v))
+        if isinstance(v, slice):
+            return ("slice", self.freeze(v.start), self.freeze(v.stop), self.freeze(v.step))
+        if isinstance(v, (list, tuple)):  # torch.Size too
+            return (type(v).__name__, tuple(self.freeze(x) for x in v))
+        if isinstance(v, dict):
+            return ("dict", tuple(sorted((str(k), self.freeze(x)) for k, x in v.items())))
+        raise _NoKey(type(v).__name__)
+
+    def meta(self, meta):
+        if isinstance(meta, torch.Tensor):
+            return ("tensor", self.freeze(tuple(meta.shape)), meta.dtype, meta.device)
+        if isinstance(meta, (list, tuple)):
+            return ("seq", tuple(self.meta(m) for m in meta))
+        if meta is None or isinstance(meta, (_PLAIN, *_SYM)):
+            return self.freeze(meta)
+        return ("other", type(meta).__name__)
 
 
 def _target_key(n: fx.Node):
@@ -275,12 +301,12 @@ def _target_key(n: fx.Node):
     raise _NoKey(n.op)  # call_module runs a module whose own parameters the probe does not draw
 
 
-def _operand_key(operand, index):
+def _operand_key(operand, keyer: _Keyer):
     from .experts import Stack
 
     if isinstance(operand, Stack):
-        return ("stack", tuple(tuple(index[n] for n in g) for g in operand.groups))
-    return _freeze(operand, index)
+        return ("stack", tuple(tuple(keyer.index[n] for n in g) for g in operand.groups))
+    return keyer.freeze(operand)
 
 
 def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs: dict, exports: dict,

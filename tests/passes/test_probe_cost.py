@@ -48,6 +48,53 @@ class _TwoBlocks(nn.Module):
         return self.second(self.first(x))
 
 
+@pytest.mark.parametrize("scales", [(1.5, 1.5), (1.5, 2.0)], ids=["identical", "near_miss_other_scale"])
+def test_identical_layers_probed_once_under_dynamic_shapes(scales):
+    """dynamic=True: the first layer reads the hidden size through a `size()` node of constant value where the second
+    reads the int, and each layer's routed scale is a symbol of its own. Identical layers still share one probe; a
+    layer whose scale differs (its symbol's value) is probed on its own."""
+    torch.manual_seed(0)
+    module = _TwoBlocks(*(models.StackedGatherMoE(scale=scale) for scale in scales)).eval()
+    (graph,), eager = capture(_Residual(module), torch.randn(12, 32), dynamic=True)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True, True], str(report)
+    identical = scales[0] == scales[1]
+    assert (counters["mok"]["probe_runs"], counters["mok"]["probe_cached"]) == ((1, 1) if identical else (2, 0))
+    torch.testing.assert_close(run(gm, example)[0], eager, atol=1e-5, rtol=1e-5)
+
+
+class _Residual(nn.Module):
+    """x + block(tanh(x)) for each of the module's two blocks, as decoder layers chain them."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x):
+        for block in (self.blocks.first, self.blocks.second):
+            x = x + block(torch.tanh(x))
+        return x
+
+
+def test_the_key_names_symbols_by_first_use():
+    """Two sizes of one symbol key apart from two symbols of the same value; renamed symbols key alike."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+
+    def size(name):
+        symbol = env.create_symbol(12, ConstantSource(name), dynamic_dim=DimDynamic.DYNAMIC)
+        return env.create_symintnode(symbol, hint=12)
+
+    a, b, c = size("a"), size("b"), size("c")
+    key = lambda *sizes: validate._Keyer().freeze(sizes)  # noqa: E731
+    assert key(a, a) == key(c, c) and key(a, b * 2) == key(b, c * 2)
+    assert key(a, a) != key(a, b) and key(a, b * 2) != key(a, a * 2)
+    assert key(a, 32) == key(b, 32)
+
+
 def test_blocks_differing_in_one_constant_are_probed_separately():
     """Same ops, shapes and dtypes; only the sentinel threshold differs (8: a no-op, 7: drops expert 7). The first
     block's output feeds the second directly: each is its own region."""
