@@ -219,7 +219,11 @@ def probe_key(flow, region, roles: dict, operands: list, kwargs: dict, exports: 
     order in which the key meets them: identical layers share a key, and blocks whose sizes relate differently (one
     symbol where the other has two) do not."""
     keyer = _Keyer()
-    inputs = [n for n in (region.root, *region.inputs) if not _constant_size(n)]
+    # the region's inputs in an order of their own (the graph interleaves a layer's scale and sizes differently in
+    # its first layer), ties in graph order
+    rest = sorted((n for n in region.inputs if not _constant_size(n)), key=lambda n: (
+        roles.get(n, "hidden"), n.op, repr(_Keyer(anonymous=True).meta(meta_value(n)))))
+    inputs = [region.root, *rest]
     nodes = [n for n in flow.sorted(region.nodes) if not _constant_size(n)]
     keyer.index = {n: i for i, n in enumerate(inputs + nodes)}
     freeze, index = keyer.freeze, keyer.index
@@ -256,9 +260,10 @@ def _constant_size(node) -> bool:
 class _Keyer:
     """Freezes graph values into hashable keys: nodes by `index`, symbols by the order they are met."""
 
-    def __init__(self):
+    def __init__(self, anonymous: bool = False):
         self.index: dict = {}
         self.symbols: dict = {}
+        self.anonymous = anonymous  # every symbol named alike (only its value counts): for ordering, not for keys
 
     def freeze(self, v):
         if isinstance(v, fx.Node):
@@ -271,7 +276,7 @@ class _Keyer:
             expr = v.node.expr
             if expr.is_number:
                 return self.freeze(concrete(v))
-            names = {s: self.symbols.setdefault(str(s), f"c{len(self.symbols)}")
+            names = {s: "c" if self.anonymous else self.symbols.setdefault(str(s), f"c{len(self.symbols)}")
                      for s in sorted(expr.free_symbols, key=str)}
             renamed = expr.xreplace({s: type(s)(name, **s.assumptions0) for s, name in names.items()})
             return ("sym", type(v).__name__, str(renamed), concrete(v))

@@ -64,6 +64,21 @@ def test_identical_layers_probed_once_under_dynamic_shapes(scales):
     torch.testing.assert_close(run(gm, example)[0], eager, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_identical_hf_layers_probed_once_under_dynamic_shapes(family):
+    """Their routed scale (DeepSeek-V3) or clamp limit and alpha (GPT-OSS) is a graph input of its own in each layer
+    under dynamic=True, met by the first layer's region in another order than by the others'."""
+    from mok_compile.demo import make_causal_lm
+
+    model = make_causal_lm(family, num_layers=4)
+    (graph,), eager = capture(model, torch.randint(0, 128, (2, 7)), dynamic=True, use_cache=False)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert len(report.fused) == 4 and not report.rejected, str(report)
+    assert (counters["mok"]["probe_runs"], counters["mok"]["probe_cached"]) == (1, 3)
+    torch.testing.assert_close(run(gm, example)[0], eager.logits, atol=1e-5, rtol=1e-5)
+
+
 class _Residual(nn.Module):
     """x + block(tanh(x)) for each of the module's two blocks, as decoder layers chain them."""
 
