@@ -219,15 +219,15 @@ def probe_key(flow, region, roles: dict, operands: list, kwargs: dict, exports: 
     order in which the key meets them: identical layers share a key, and blocks whose sizes relate differently (one
     symbol where the other has two) do not."""
     keyer = _Keyer()
-    # the region's inputs in an order of their own (the graph interleaves a layer's scale and sizes differently in
-    # its first layer), ties in graph order
-    rest = sorted((n for n in region.inputs if not _constant_size(n)), key=lambda n: (
-        roles.get(n, "hidden"), n.op, repr(_Keyer(anonymous=True).meta(meta_value(n)))))
-    inputs = [region.root, *rest]
-    nodes = [n for n in flow.sorted(region.nodes) if not _constant_size(n)]
-    keyer.index = {n: i for i, n in enumerate(inputs + nodes)}
     freeze, index = keyer.freeze, keyer.index
     try:
+        # the region's inputs in an order of their own (the graph interleaves a layer's scale and sizes differently in
+        # its first layer), ties in graph order
+        rest = sorted((n for n in region.inputs if not _constant_size(n)), key=lambda n: (
+            roles.get(n, "hidden"), n.op, repr(_Keyer(anonymous=True).meta(meta_value(n)))))
+        inputs = [region.root, *rest]
+        nodes = [n for n in flow.sorted(region.nodes) if not _constant_size(n)]
+        index.update((n, i) for i, n in enumerate(inputs + nodes))
         key = (
             tuple((n.op, roles.get(n, "hidden"), keyer.meta(meta_value(n))) for n in inputs),
             tuple((n.op, _target_key(n), freeze(n.args), freeze(n.kwargs), keyer.meta(meta_value(n))) for n in nodes),
