@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mok_compile.backend import mok_backend
 from mok_compile.demo import make_causal_lm
-from mok_compile.hf_blocks import BlockSizes
+from mok_compile.hf_blocks import BlockSizes, checkpoint_layers
 
 from .helpers import NUM_LAYERS, assert_close_rel, token_ids
 
@@ -93,11 +93,15 @@ def ddp_rank_step(rank: int, world: int, port: int, device: str, compiler: str):
         assert_same_step(got, want, TOL[device], f"rank {rank}")
 
 
-def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str, compiled: str):
+def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str, compiled: str,
+                    checkpointed: bool = False):
     """One rank: a training step of FSDP2 (`fully_shard` on each decoder layer and on the model, over all ranks)
     with each layer compiled under backend="mok" (`compiled="per_layer"`) or the whole model (`"whole"`: Dynamo
     breaks the graph at FSDP's hooks), against eager FSDP2, each rank on its own tokens; the full gradients are
-    compared."""
+    compared. `checkpointed`: every decoder layer activation-checkpointed (inside FSDP's hooks, as transformers
+    places it). Dynamo may then compile one layer graph and run it for every layer, so a second compiled step's
+    backward runs of the op are counted (torch.profiler), one per layer, rather than the blocks fused at compile
+    time."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -106,6 +110,8 @@ def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str
 
     def sharded(compile_it):
         m = model(device=device)
+        if checkpointed:
+            checkpoint_layers(m)
         mesh = init_device_mesh(device, (world,))
         for layer in m.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -118,10 +124,18 @@ def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str
         loss, grads = train_step(m, token_ids(seed=1 + rank).to(device))
         return loss, {n: g.full_tensor() for n, g in grads.items()}
 
-    with process_group(rank, world, port, device):
+    with process_group(rank, world, port, device), \
+            torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=checkpointed):
         want = step(sharded(False))
-        got = step(sharded(True))
-        assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+        compiled_model = sharded(True)
+        got = step(compiled_model)
+        if checkpointed:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step(compiled_model)
+            backwards = sum(e.name == "mok::fused_moe_backward" for e in prof.events())
+            assert backwards == NUM_LAYERS and counters["mok"]["fused_moe"] >= 1, (backwards, dict(counters["mok"]))
+        else:
+            assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
         assert_same_step(got, want, TOL[device], f"rank {rank}")
 
 

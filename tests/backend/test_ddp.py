@@ -141,6 +141,13 @@ def test_fsdp2(compiled):
     fsdp2_rank_step(0, 1, None, "cpu", "aot_eager", compiled)
 
 
+@pytest.mark.parametrize("compiled", ["per_layer", "whole"])
+def test_fsdp2_checkpointed(compiled):
+    """FSDP2 with every decoder layer activation-checkpointed: each layer's block runs fused (its backward once per
+    layer), the gradients as eager FSDP2's."""
+    fsdp2_rank_step(0, 1, None, "cpu", "aot_eager", compiled, True)
+
+
 def test_fsdp2_two_ranks_sharded():
     """Two gloo ranks, each layer's parameters sharded across them: the compiled layers see the gathered weights."""
     spawn(fsdp2_rank_step, 2, "cpu", "aot_eager", "per_layer")
