@@ -141,6 +141,18 @@ def test_fsdp2(compiled):
     fsdp2_rank_step(0, 1, None, "cpu", "aot_eager", compiled)
 
 
+def _checkpoints_call() -> bool:
+    """transformers before 5.25 checkpoints a layer's `__call__` (so FSDP2's hooks run inside the checkpoint), from
+    5.25 on its `forward`."""
+    import transformers
+
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 25)
+
+
+@pytest.mark.xfail(_checkpoints_call(), strict=True, reason=(
+    "transformers < 5.25 checkpoints each layer's __call__ eagerly, around the compiled layer: compiled per layer, the "
+    "recomputation fails with CheckpointError (as in v71, before checkpointed regions were fused); the whole model "
+    "compiled under FSDP2 fuses nothing. NOTES v72 (4)"))
 @pytest.mark.parametrize("compiled", ["per_layer", "whole"])
 def test_fsdp2_checkpointed(compiled):
     """FSDP2 with every decoder layer activation-checkpointed: each layer's block runs fused (its backward once per
