@@ -152,7 +152,7 @@ def _checkpoints_call() -> bool:
 @pytest.mark.xfail(_checkpoints_call(), strict=True, reason=(
     "transformers < 5.25 checkpoints each layer's __call__ eagerly, around the compiled layer: compiled per layer, the "
     "recomputation fails with CheckpointError (as in v71, before checkpointed regions were fused); the whole model "
-    "compiled under FSDP2 fuses nothing. NOTES v72 (4)"))
+    "compiled under FSDP2 fuses nothing. NOTES v72 (3)"))
 @pytest.mark.parametrize("compiled", ["per_layer", "whole"])
 def test_fsdp2_checkpointed(compiled):
     """FSDP2 with every decoder layer activation-checkpointed: each layer's block runs fused (its backward once per
