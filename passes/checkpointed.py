@@ -16,7 +16,7 @@ runs it and keeps only the region's inputs, the backward runs it again before it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -40,18 +40,14 @@ def checkpoint_calls(gm: fx.GraphModule) -> dict[fx.Node, list[fx.Node]]:
     return calls
 
 
-def body_inputs(gm: fx.GraphModule, call: fx.Node, example_inputs: Sequence | None) -> list:
-    """The body's example inputs at `call`: the outer graph's own example input where an operand is one of its
-    placeholders (Dynamo hands the backend the live parameters, which the probe may run on), else the operand's
-    recorded (fake) value."""
-    live = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if example_inputs is not None and len(example_inputs) == len(placeholders):
-        live = dict(zip(placeholders, example_inputs))
+def body_inputs(call: fx.Node, live: dict) -> list:
+    """The body's example inputs at `call`: the outer graph's live input where an operand is one (`live`, from
+    `validate.live_inputs`: Dynamo hands the backend the live parameters, which the probe may run on), else the
+    operand's recorded (fake) value."""
     return [live[a] if a in live else meta_value(a) if isinstance(a, fx.Node) else a for a in call.args[1:]]
 
 
-def fuse_checkpointed(gm: fx.GraphModule, example_inputs: Sequence | None, fuse: Callable,
+def fuse_checkpointed(gm: fx.GraphModule, live: dict, fuse: Callable,
                       before_rewrite: Callable[[], None] | None = None) -> list:
     """Fuse the MoE blocks in each checkpointed body of `gm`; returns their `BlockReport`s.
 
@@ -63,7 +59,7 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs: Sequence | None, fuse:
         if not isinstance(body, fx.GraphModule):
             continue
         copy = fx.GraphModule(body, _copy_graph(body.graph), class_name=type(body).__name__)
-        report = fuse(copy, body_inputs(gm, calls[0], example_inputs))
+        report = fuse(copy, body_inputs(calls[0], live))
         for block in report.blocks:
             block.checkpointed = True
         blocks += report.blocks

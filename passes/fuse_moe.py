@@ -306,8 +306,7 @@ def _fuse_blocks(gm: fx.GraphModule, example_inputs, validate: bool, before_rewr
     report.blocks.extend(lone_experts.find_lone_experts(gm, hash_routed_only=bool(anchors),
                                                         anchored={ids for _, ids in anchors}))
     report.blocks.extend(fuse_checkpointed(
-        gm, example_inputs, lambda body, inputs: _fuse_blocks(body, inputs, validate, None, probe_cache),
-        before_rewrite))
+        gm, live, lambda body, inputs: _fuse_blocks(body, inputs, validate, None, probe_cache), before_rewrite))
     if report.fused:
         gm.graph.lint()
         gm.recompile()
