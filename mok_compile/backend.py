@@ -66,8 +66,9 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Backend
             saved.append(snapshot_graph(gm.graph))
 
     try:
-        report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict,
-                          before_rewrite=before_rewrite)
+        with _unseen_by_saved_tensor_hooks():
+            report = fuse_moe(gm, example_inputs, validate=opts.validate, strict=opts.strict,
+                              before_rewrite=before_rewrite)
     except Exception as err:
         if opts.strict:
             raise
@@ -82,6 +83,22 @@ def fuse_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, opts: Backend
         log.info("mok: graph %s: fused %d of %d MoE block(s)", _graph_name(gm), len(report.fused), len(report.blocks))
     diagnostics.warn_eager_fragments(report)
     return report
+
+
+def _unseen_by_saved_tensor_hooks():
+    """Keep the pass's own autograd work (the fake op calls that set a new node's `meta["val"]`) from the caller's
+    saved-tensor hooks.
+
+    A model compiled per layer and checkpointed around the compiled call (transformers < 5.25 checkpoints each
+    layer's `__call__`) compiles inside the checkpoint's first forward. Its hooks count every tensor autograd saves;
+    the fake tensors the pass saved there made the count differ from the recomputation's, and the backward failed
+    with `CheckpointError`. Identity hooks pushed on top shadow the caller's for the pass's duration.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(tensor):
+    return tensor
 
 
 def snapshot_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

@@ -128,6 +128,30 @@ def test_training_through_the_backend_recomputes_the_fused_op():
     assert ops == {"forward": 2, "backward": 4}  # each layer: its op; then its op again and the op's backward
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_layer_compiled_on_its_own_and_checkpointed_around_the_call_trains(reentrant):
+    """transformers < 5.25 checkpoints each decoder layer's `__call__`, so a layer compiled with `layer.compile`
+    compiles inside the checkpoint's first forward. The backend's work there must save nothing through the
+    checkpoint's hooks: a count that differs from the recomputation's fails the backward (CheckpointError)."""
+    torch.manual_seed(0)
+    layer, x = models.StackedGatherMoE(), torch.randn(12, 32, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=reentrant).square().sum().backward()
+    want = [p.grad.clone() for p in layer.parameters() if p.grad is not None] + [x.grad.clone()]
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    layer.compile(backend="mok", options={"compiler": "aot_eager"})
+    checkpoint(layer, x, use_reentrant=reentrant).square().sum().backward()
+    got = [p.grad for p in layer.parameters() if p.grad is not None] + [x.grad]
+    # reentrant: the forward runs under no_grad, the recomputation with grad, each its own graph
+    assert torch._dynamo.utils.counters["mok"]["fused_moe"] == (2 if reentrant else 1)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
 def test_a_checkpoint_in_a_checkpoint_is_fused():
     model, x = _model(nested=True), torch.randn(12, 32)
     gm, example = _capture(model, x)
