@@ -59,6 +59,7 @@ def fuse_checkpointed(gm: fx.GraphModule, live: dict, fuse: Callable,
         if not isinstance(body, fx.GraphModule):
             continue
         copy = fx.GraphModule(body, _copy_graph(body.graph), class_name=type(body).__name__)
+        copy.meta.update(body.meta)  # Dynamo keeps a selective checkpoint's policy there (`_checkpoint_context_fn`)
         report = fuse(copy, body_inputs(calls[0], live))
         for block in report.blocks:
             block.checkpointed = True

@@ -91,24 +91,25 @@ def test_blocks_in_checkpointed_layers_are_fused_in_copies_of_their_bodies(reent
         torch.testing.assert_close(gm(*example)[0], model(x), **TOL)
 
 
-def test_training_through_the_backend_recomputes_the_fused_op():
-    """aot_eager: the loss and every gradient as eager's, the fused op run in the forward and again in the backward,
-    as the checkpointed region it replaced would be."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    model, x = _model(), torch.randn(12, 32, requires_grad=True)
+def _eager_grads(model, x):
     model(x).square().sum().backward()
-    want = [None if p.grad is None else p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
     model.zero_grad(set_to_none=True)
     x.grad = None
+    return grads
+
+
+def _train_fused(model, x):
+    """One training step of `model` compiled with the pass then aot_autograd (aot_eager); its gradients, and the
+    mok ops in the forward and backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
 
     ops = {}
 
     def counting(name):
         def compiler(g, _inputs):
-            ops[name] = sum(1 for n in g.graph.nodes if n.target is torch.ops.mok.fused_moe_backward.default or
-                            str(n.target).startswith("mok.fused_moe"))
+            ops[name] = [str(n.target) for n in g.graph.nodes if str(n.target).startswith("mok.")]
             return make_boxed_func(g.forward)
         return compiler
 
@@ -119,13 +120,64 @@ def test_training_through_the_backend_recomputes_the_fused_op():
 
     torch._dynamo.reset()
     torch.compile(model, backend=backend, fullgraph=True)(x).square().sum().backward()
-    got = [p.grad for p in model.parameters()] + [x.grad]
+    return [p.grad for p in model.parameters()] + [x.grad], ops
+
+
+def _assert_same_grads(got, want):
     assert sum(w is not None for w in want) == 7  # all but the selection biases (which only choose)
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if w is not None:
             torch.testing.assert_close(g, w, **TOL)
-    assert ops == {"forward": 2, "backward": 4}  # each layer: its op; then its op again and the op's backward
+
+
+TRAIN, BACKWARD = "mok.fused_moe_train.default", "mok.fused_moe_backward.default"
+
+
+def test_training_through_the_backend_recomputes_the_fused_op():
+    """aot_eager: the loss and every gradient as eager's, the fused op run in the forward and again in the backward,
+    as the checkpointed region it replaced would be."""
+    model, x = _model(), torch.randn(12, 32, requires_grad=True)
+    want = _eager_grads(model, x)
+    got, ops = _train_fused(model, x)
+    _assert_same_grads(got, want)
+    # each layer: its op; then its op again and the op's backward
+    assert ops == {"forward": [TRAIN] * 2, "backward": [TRAIN, BACKWARD] * 2}
+
+
+@pytest.mark.parametrize("policy", ["save_the_op", "recompute"])
+def test_a_selective_checkpoint_policy_sees_the_fused_op(policy):
+    """Selective activation checkpointing (a `context_fn` policy): the policy Dynamo keeps with the region's body
+    decides for the fused op as for any op, so a policy that saves it runs no recomputation of it in the backward;
+    the near miss, a policy that recomputes everything, recomputes it."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    seen = set()
+
+    def decide(ctx, op, *args, **kwargs):
+        seen.add(str(op))
+        if policy == "save_the_op" and str(op) == TRAIN:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    class SelectiveLayers(CheckpointedLayers):
+        def forward(self, x):
+            for mlp in self.mlps:
+                x = checkpoint(self.layer, mlp, x, use_reentrant=False,
+                               context_fn=functools.partial(create_selective_checkpoint_contexts, decide))
+            return x
+
+    torch.manual_seed(0)
+    model, x = SelectiveLayers(models.StackedGatherMoE), torch.randn(12, 32, requires_grad=True)
+    want = _eager_grads(model, x)
+    seen.clear()
+    got, ops = _train_fused(model, x)
+    _assert_same_grads(got, want)
+    assert TRAIN in seen
+    recomputed = [TRAIN, BACKWARD] if policy == "recompute" else [BACKWARD]
+    assert ops == {"forward": [TRAIN] * 2, "backward": recomputed * 2}
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
