@@ -218,6 +218,8 @@ def describe_block(b) -> str:
         parts.append("probed_on_own_weights")
     if b.checkpointed:
         parts.append("checkpointed")
+    for device, dtype in b.autocast:
+        parts.append(f"autocast={device}:{str(dtype).replace('torch.', '')}")
     return " ".join(str(p) for p in parts)
 
 

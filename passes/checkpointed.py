@@ -51,8 +51,9 @@ def fuse_checkpointed(gm: fx.GraphModule, live: dict, fuse: Callable,
                       before_rewrite: Callable[[], None] | None = None) -> list:
     """Fuse the MoE blocks in each checkpointed body of `gm`; returns their `BlockReport`s.
 
-    `fuse(body, inputs)` is the pass over one graph (returning its FuseReport). A body run by several calls is
-    fused once, on its first call's inputs; the region's operands are what the probe draws anew anyway."""
+    `fuse(body, inputs, call)` is the pass over one graph (returning its FuseReport), `call` the node that runs
+    it. A body run by several calls is fused once, on its first call's inputs; the region's operands are what the
+    probe draws anew anyway."""
     blocks = []
     for attr, calls in checkpoint_calls(gm).items():
         body = gm.get_submodule(attr.target)
@@ -60,7 +61,7 @@ def fuse_checkpointed(gm: fx.GraphModule, live: dict, fuse: Callable,
             continue
         copy = fx.GraphModule(body, _copy_graph(body.graph), class_name=type(body).__name__)
         copy.meta.update(body.meta)  # Dynamo keeps a selective checkpoint's policy there (`_checkpoint_context_fn`)
-        report = fuse(copy, body_inputs(calls[0], live))
+        report = fuse(copy, body_inputs(calls[0], live), calls[0])
         for block in report.blocks:
             block.checkpointed = True
         blocks += report.blocks

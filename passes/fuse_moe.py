@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
 
-from . import eager_fragments, lone_experts
+from . import autocast, eager_fragments, lone_experts
 from .checkpointed import fuse_checkpointed
 from .dataflow import Dataflow
 from .experts import SPLIT_LOOP, ExpertsMatch, Stack, match_experts, region_form
@@ -66,6 +66,8 @@ class BlockReport:
     probed_on_own_weights: bool = False
     # In an activation-checkpointed region (`checkpointed`): the backward runs the block's forward again.
     checkpointed: bool = False
+    # The autocasts the block's nodes run under, as (device, dtype) pairs (`passes.autocast`); empty where none.
+    autocast: tuple = ()
 
 
 @dataclass
@@ -156,8 +158,10 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
 
 
 def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict,
-                anchors, before_rewrite=None, live=None) -> None:
+                anchors, before_rewrite=None, live=None, autocast_states=None) -> None:
     region: Region = find_region(gm, flow, anchor, ids, anchors)
+    states = autocast_states if autocast_states is not None else autocast.node_states(gm.graph)
+    report.autocast = autocast.block_autocast(region.nodes, states)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K
     report.hidden, report.dtype = _int(region.H), tensor_meta(region.x).dtype
@@ -215,7 +219,7 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
                 kw = {**op_kwargs(variant, spec), **given, "_intermediate": experts.intermediate}
                 proof = {}
                 why = probe(gm, flow, region, roles, operands, kw, plan.exports, cache=probe_cache, live=live,
-                            proof=proof)
+                            proof=proof, autocast={n: states[n] for n in region.nodes})
                 if why is None:
                     chosen, routing = spec, variant
                     report.probed_on_own_weights = proof["own_weights"]
@@ -280,13 +284,16 @@ def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, vali
     return report
 
 
-def _fuse_blocks(gm: fx.GraphModule, example_inputs, validate: bool, before_rewrite, probe_cache: dict) -> FuseReport:
-    """`fuse_moe` on one graph and the checkpointed bodies it calls, uncounted."""
+def _fuse_blocks(gm: fx.GraphModule, example_inputs, validate: bool, before_rewrite, probe_cache: dict,
+                 outer_autocast: tuple | None = None) -> FuseReport:
+    """`fuse_moe` on one graph and the checkpointed bodies it calls, uncounted. A body's nodes run under the
+    autocast of the call that runs it (`outer_autocast`)."""
     _ensure_meta(gm, example_inputs)
     report = FuseReport()
     live = live_inputs(gm, example_inputs) if validate else {}  # the weights a probe short of memory runs on
     flow = Dataflow(gm.graph)
     anchors = block_anchors(gm, flow)
+    states = autocast.node_states(gm.graph, outer_autocast)
     for anchor, ids in anchors:
         if getattr(anchor, "_erased", False) or getattr(ids, "_erased", False):
             continue  # erased with an earlier block
@@ -294,19 +301,23 @@ def _fuse_blocks(gm: fx.GraphModule, example_inputs, validate: bool, before_rewr
         if report.blocks and report.blocks[-1].fused:  # the graph as the block before this one left it
             flow = Dataflow(gm.graph, previous=flow)
         try:
-            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite, live)
+            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite, live, states)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form
             evidence = sharding_evidence(gm, anchor, ids)
             if evidence is not None:
                 block.reason = sharded_reason(evidence, block.reason)
+            block.autocast = block.autocast or autocast.block_autocast([anchor], states)
+            if block.autocast:
+                block.reason = f"{block.reason}; {autocast.hint(block.autocast)}"
         report.blocks.append(block)
     report.blocks.extend(eager_fragments.find_eager_fragments(gm))
     report.blocks.extend(lone_experts.find_lone_experts(gm, hash_routed_only=bool(anchors),
                                                         anchored={ids for _, ids in anchors}))
     report.blocks.extend(fuse_checkpointed(
-        gm, live, lambda body, inputs: _fuse_blocks(body, inputs, validate, None, probe_cache), before_rewrite))
+        gm, live, lambda body, inputs, call: _fuse_blocks(body, inputs, validate, None, probe_cache, states[call]),
+        before_rewrite))
     if report.fused:
         gm.graph.lint()
         gm.recompile()

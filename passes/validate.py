@@ -26,6 +26,7 @@ write a weight stops the probe instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -36,6 +37,7 @@ import torch.fx as fx
 
 from mok_compile.ops import reference
 
+from .autocast import running_under
 from .op_names import meta_value
 
 log = logging.getLogger("mok_compile.passes")
@@ -91,9 +93,10 @@ def _random(meta: torch.Tensor, std: float, gen: torch.Generator, subs=None) -> 
     return torch.randn(shape, generator=gen, dtype=meta.dtype, device=gen.device).mul_(std)
 
 
-def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict, protect=()) -> dict:
-    """Evaluate `nodes` (in graph order) with `env` holding the values of everything they read. A node that would
-    write a tensor sharing storage with one in `protect` raises `WritesProtected` before it runs."""
+def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict, protect=(), autocast: dict | None = None) -> dict:
+    """Evaluate `nodes` (in graph order) with `env` holding the values of everything they read, each under its
+    autocast where `autocast` gives one (node -> `passes.autocast.node_states` value). A node that would write a
+    tensor sharing storage with one in `protect` raises `WritesProtected` before it runs."""
     load = lambda a: env[a]  # noqa: E731
     storages = {t.untyped_storage().data_ptr() for t in protect} - {0}  # (0: an empty storage, no memory to write)
     for n in nodes:
@@ -104,15 +107,19 @@ def run_nodes(gm: fx.GraphModule, nodes: list[fx.Node], env: dict, protect=()) -
             for t in written if isinstance(written, (list, tuple)) else (written,):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages:
                     raise WritesProtected(f"node {n.name} ({n.target}) writes one of the model's weights")
-        if n.op == "call_function":
-            env[n] = n.target(*args, **kwargs)
-        elif n.op == "call_method":
-            env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
-        elif n.op == "call_module":
-            env[n] = gm.get_submodule(n.target)(*args, **kwargs)
-        else:
-            raise RuntimeError(f"cannot run {n.op} node {n.name}")
+        with running_under(autocast[n]) if autocast and n in autocast else contextlib.nullcontext():
+            env[n] = _run_node(gm, n, args, kwargs)
     return env
+
+
+def _run_node(gm: fx.GraphModule, n: fx.Node, args, kwargs):
+    if n.op == "call_function":
+        return n.target(*args, **kwargs)
+    if n.op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    if n.op == "call_module":
+        return gm.get_submodule(n.target)(*args, **kwargs)
+    raise RuntimeError(f"cannot run {n.op} node {n.name}")
 
 
 class WritesProtected(RuntimeError):
@@ -316,7 +323,7 @@ def _operand_key(operand, keyer: _Keyer):
 
 def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs: dict, exports: dict,
           seed: int = 0, cache: dict | None = None, live: dict | None = None,
-          proof: dict | None = None) -> str | None:
+          proof: dict | None = None, autocast: dict | None = None) -> str | None:
     """None when the region and the op agree on random inputs; otherwise why not.
 
     roles: input node -> "router" | "router_bias" | "selection_bias" | "gate_up" | "gate_up_bias" | "down" |
@@ -328,19 +335,23 @@ def probe(gm: fx.GraphModule, flow, region, roles: dict, operands: list, kwargs:
     a copy of them runs out of memory; `proof["own_weights"]` then tells whether the verdict was taken on them.
 
     A symbolic token count is lowered for the probe (`probe_sizes`); if the region does not run or does not
-    agree at the lowered size, the verdict is taken at the traced size.
+    agree at the lowered size, the verdict is taken at the traced size. Each region node runs under its autocast
+    (`autocast`: node -> (device, dtype) pairs, `passes.autocast.node_states`; none where not given), the op's
+    reference without any: the op is not autocast-aware.
     """
     from torch._dynamo.utils import counters
 
     key = probe_key(flow, region, roles, operands, kwargs, exports) if cache is not None else None
+    autocast = autocast or {}
+    key = None if key is None else (key, tuple(autocast.get(n, ()) for n in flow.sorted(region.nodes)))
     if key is not None and key in cache:
         counters["mok"]["probe_cached"] += 1
         why, own = cache[key]
     else:
         subs = probe_sizes(region)
-        why, own = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live or {})
+        why, own = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live or {}, autocast)
         if why is not None and subs:
-            why, own = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {}, live or {})
+            why, own = _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, {}, live or {}, autocast)
         if key is not None:
             cache[key] = why, own
     if proof is not None:
@@ -379,7 +390,8 @@ def _own_weights(inputs, roles: dict, live: dict, subs) -> dict:
     return own
 
 
-def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live) -> tuple[str | None, bool]:
+def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live,
+              autocast: tuple) -> tuple[str | None, bool]:
     """(why the probe fails or None, whether it ran on the model's own weights)."""
     from torch._dynamo.utils import counters
 
@@ -423,10 +435,11 @@ def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, li
                                      subs)
                 else:
                     env[n] = concrete(meta, subs)
-            run_nodes(gm, nodes, env, protect=own.values())
+            run_nodes(gm, nodes, env, protect=own.values(), autocast=autocast)
             args = [materialize(o, env.__getitem__) for o in operands]
             given = {k: env[v] for k, v in op_kw.items() if isinstance(v, fx.Node)}  # tensors, runtime floats
-            out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
+            with running_under(()):
+                out, w, ids = reference.fused_moe_reference(*args, **{**op_kw, **given})
         except torch.OutOfMemoryError:
             return _OUT_OF_MEMORY, None
         except Exception as err:  # a region that cannot even run on fresh inputs is not proven

@@ -379,3 +379,39 @@ def test_training_checkpointed_on_cuda_with_inductor():
     assert_close_rel(got_loss, want_loss, 1e-5, "loss")
     for name, want in want_grads.items():
         assert_close_rel(got_grads[name], want, 1e-3, f"grad of {name}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_under_autocast(family):
+    """bf16 weights under bf16 autocast (as a training loop that enters autocast around a bf16 model): each block
+    fused, the step as eager's under the same autocast."""
+    model = tiny_model(family, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _check_step(model, torch.bfloat16, train=True)
+
+
+def test_near_miss_fp32_weights_under_autocast_are_left_unfused_and_say_why(caplog):
+    """fp32 weights under bf16 autocast: autocast runs the router in bf16, transformers' experts in fp32; the op
+    computes neither way, so nothing is fused, the logits are eager's, and the warning tells the user what to do."""
+    model, ids = tiny_model("qwen3_moe"), token_ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("WARNING", logger="mok_compile"):
+        want, _, _ = forward(model, ids)
+        got, _, _ = forward(model, ids, backend="mok", options=AOT)
+    assert counters["mok"]["fused_moe"] == 0 and counters["mok"]["rejected_moe"] == NUM_LAYERS
+    assert "autocast (cpu, bfloat16) is on around this block" in caplog.text
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_training_under_cuda_autocast():
+    """CUDA's autocast casts more ops than the CPU's (softmax and sums to fp32): bf16 weights under it, each block
+    fused, the step within bf16 rounding of eager's under the same autocast."""
+    model, ids = tiny_model("qwen3_moe", torch.bfloat16).cuda(), token_ids().cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want_logits, want_loss, want_grads = forward(model, ids, train=True)
+        got_logits, got_loss, got_grads = forward(model, ids, backend="mok", train=True, options=AOT)
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
+    assert_close_rel(got_logits, want_logits, 1e-2, "logits")
+    assert_close_rel(got_loss, want_loss, 1e-2, "loss")
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, 3e-2, f"grad of {name}")
