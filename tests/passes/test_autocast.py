@@ -36,26 +36,28 @@ def _block(where: str, dtype: torch.dtype):
     return module, x, around
 
 
-@pytest.mark.parametrize("where", ["around", "inside"])
-def test_a_bf16_block_under_autocast_is_fused(where):
-    module, x, around = _block(where, torch.bfloat16)
+def _fuse_under(module, x, around):
+    """Capture `module(x)` and run the pass on its graph, both under `around` (as the backend runs, inside the
+    compiled call's autocast): (the graph, its code before the pass, the report, the graph's output, eager's)."""
     with around:
         (graph,), eager = capture(module, x)
         gm, example = graph
+        code = gm.code
         report = fuse_moe(gm, example)
         got = run(gm, example)[0]
+    return gm, code, report, got, eager
+
+
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_a_bf16_block_under_autocast_is_fused(where):
+    gm, _, report, got, eager = _fuse_under(*_block(where, torch.bfloat16))
     assert count_fused(gm) == 1 and report.fused[0].autocast == (("cpu", torch.bfloat16),)
     torch.testing.assert_close(got, eager, **BF16)
 
 
 @pytest.mark.parametrize("where", ["around", "inside"])
 def test_near_miss_an_fp32_block_under_autocast_is_left_unfused_and_says_why(where):
-    module, x, around = _block(where, torch.float32)
-    with around:
-        (graph,), _ = capture(module, x)
-        gm, example = graph
-        code = gm.code
-        report = fuse_moe(gm, example)
+    gm, code, report, _, _ = _fuse_under(*_block(where, torch.float32))
     (block,) = report.blocks
     assert not block.fused and gm.code == code
     assert "autocast (cpu, bfloat16) is on around this block" in block.reason
@@ -122,11 +124,7 @@ def test_a_router_that_turns_autocast_off_inside_the_block_is_fused():
 
     torch.manual_seed(0)
     module, x = Fp32RouterMoE().to(torch.bfloat16), torch.randn(12, 32, dtype=torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        (graph,), eager = capture(module, x)
-        gm, example = graph
-        report = fuse_moe(gm, example)
-        got = run(gm, example)[0]
+    gm, _, report, got, eager = _fuse_under(module, x, torch.autocast("cpu", dtype=torch.bfloat16))
     assert count_fused(gm) == 1 and report.fused[0].autocast == (("cpu", torch.bfloat16),)
     torch.testing.assert_close(got, eager, **BF16)
 
