@@ -17,6 +17,7 @@ does not (autocast runs its router in bf16 while transformers runs its experts i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -33,10 +34,11 @@ HINT = ("autocast ({}) is on around this block: the op computes in its operands'
 
 def node_states(graph: fx.Graph, outer: tuple | None = None) -> dict[fx.Node, tuple]:
     """The autocast each node runs under, as (device, dtype) pairs (empty: none): the innermost in-graph span
-    around it, else `outer` (a checkpointed body's: its call's), else the compile's own (global) autocast."""
+    around it, else `outer` (a checkpointed body's: its call's), else the compile's own (global) autocast. A node
+    added to the graph later (a rewrite's) reads as outside any span."""
     compiled = tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICES if torch.is_autocast_enabled(d))
     compiled = compiled if outer is None else outer
-    states, stack = {}, []
+    states, stack = collections.defaultdict(lambda: compiled), []
     for n in graph.nodes:
         if n.op == "call_function" and n.target is _EXIT and stack:
             stack.pop()
@@ -49,7 +51,7 @@ def node_states(graph: fx.Graph, outer: tuple | None = None) -> dict[fx.Node, tu
 
 def block_autocast(nodes, states: dict[fx.Node, tuple]) -> tuple:
     """The autocasts a block's nodes run under, without repeats (empty: none)."""
-    return tuple(dict.fromkeys(pair for n in nodes for pair in states.get(n, ())))
+    return tuple(dict.fromkeys(pair for n in nodes for pair in states[n]))
 
 
 def running_under(state: tuple):

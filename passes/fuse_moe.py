@@ -158,9 +158,9 @@ def _expert_inputs(experts: ExpertsMatch) -> list[fx.Node]:
 
 
 def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockReport, probe_cache: dict,
-                anchors, before_rewrite=None, live=None, autocast_states=None) -> None:
+                anchors, before_rewrite, live, states: dict) -> None:
+    """Fuse one block, filling in `report`; raises NoMatch where it cannot. `states`: `autocast.node_states`."""
     region: Region = find_region(gm, flow, anchor, ids, anchors)
-    states = autocast_states if autocast_states is not None else autocast.node_states(gm.graph)
     report.autocast = autocast.block_autocast(region.nodes, states)
     report.name = block_name(region)
     report.num_experts, report.top_k = _int(region.E), region.K

@@ -391,7 +391,7 @@ def _own_weights(inputs, roles: dict, live: dict, subs) -> dict:
 
 
 def _probe_at(gm, flow, region, roles, operands, kwargs, exports, seed, subs, live,
-              autocast: tuple) -> tuple[str | None, bool]:
+              autocast: dict) -> tuple[str | None, bool]:
     """(why the probe fails or None, whether it ran on the model's own weights)."""
     from torch._dynamo.utils import counters
 
