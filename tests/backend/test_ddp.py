@@ -160,6 +160,12 @@ def test_fsdp2_checkpointed(compiled):
     fsdp2_rank_step(0, 1, None, "cpu", "aot_eager", compiled, True)
 
 
+def test_fsdp2_mixed_precision():
+    """FSDP2's `MixedPrecisionPolicy(param_dtype=torch.bfloat16)` (what an fp32 model under autocast is told to use,
+    `passes.autocast`): each layer gets its weights in bf16, and its block fuses."""
+    fsdp2_rank_step(0, 1, None, "cpu", "aot_eager", "per_layer", mixed_precision=True)
+
+
 def test_fsdp2_two_ranks_sharded():
     """Two gloo ranks, each layer's parameters sharded across them: the compiled layers see the gathered weights."""
     spawn(fsdp2_rank_step, 2, "cpu", "aot_eager", "per_layer")
