@@ -17,6 +17,7 @@ that is not installed, `import mok_compile` registers the name.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Callable, Sequence
@@ -92,8 +93,11 @@ def _unseen_by_saved_tensor_hooks():
     A model compiled per layer and checkpointed around the compiled call (transformers < 5.25 checkpoints each
     layer's `__call__`) compiles inside the checkpoint's first forward. Its hooks count every tensor autograd saves;
     the fake tensors the pass saved there made the count differ from the recomputation's, and the backward failed
-    with `CheckpointError`. Identity hooks pushed on top shadow the caller's for the pass's duration.
+    with `CheckpointError`. Identity hooks pushed on top shadow the caller's for the pass's duration. Where saved-
+    tensor hooks are disabled (inside a torch.func transform), none are active and none can be pushed.
     """
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 

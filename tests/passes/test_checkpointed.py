@@ -204,6 +204,19 @@ def test_a_layer_compiled_on_its_own_and_checkpointed_around_the_call_trains(ree
         torch.testing.assert_close(g, w, **TOL)
 
 
+def test_the_backend_fuses_where_saved_tensor_hooks_are_disabled():
+    """The backend's own identity hooks (the test above) are not pushed where hooks are disabled, as inside a
+    torch.func transform: pushing them there raises, and the pass would fail and leave the block unfused."""
+    torch.manual_seed(0)
+    layer, x = models.StackedGatherMoE(), torch.randn(12, 32)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.autograd.graph.disable_saved_tensors_hooks("disabled by the test"):
+        got = torch.compile(layer, backend="mok", options={"compiler": "aot_eager", "strict": True})(x)
+    assert torch._dynamo.utils.counters["mok"]["fused_moe"] == 1
+    torch.testing.assert_close(got, layer(x), **TOL)
+
+
 def test_a_checkpoint_in_a_checkpoint_is_fused():
     model, x = _model(nested=True), torch.randn(12, 32)
     gm, example = _capture(model, x)
