@@ -19,7 +19,7 @@ from mok_compile.backend import mok_backend
 from mok_compile.demo import make_causal_lm
 from mok_compile.hf_blocks import BlockSizes, checkpoint_layers
 
-from .helpers import NUM_LAYERS, assert_close_rel, token_ids
+from .helpers import BF16_GRAD_TOL, NUM_LAYERS, assert_close_rel, token_ids
 
 # Expert weights of 2.1 MB (gate_up) and 1 MB (down) in fp32: larger than a 1 MB DDP bucket, so DDP's cutting
 # falls inside the blocks. (Dynamo's own cutting needs buckets of at least 1 MiB, its first bucket's size.)
@@ -28,9 +28,6 @@ BUCKET_MB = 1.0
 # Relative to the largest value. fp32 on the CPU differs from eager in summation order only; on the GPU inductor
 # also fuses and reorders the rest of the model.
 TOL = {"cpu": 1e-5, "cuda": 1e-4}
-# bf16 compute against eager's bf16: the op's backward computes in fp32 and rounds once, eager autograd rounds every
-# bf16 intermediate (as in test_hf_models).
-BF16_TOL = 3e-2
 
 
 def free_port() -> int:
@@ -105,7 +102,7 @@ def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str
     places it). Dynamo may then compile one layer graph and run it for every layer, so a second compiled step's
     backward runs of the op are counted (torch.profiler), one per layer, rather than the blocks fused at compile
     time. `mixed_precision`: fp32 weights that FSDP2 hands the layers in bf16 (`MixedPrecisionPolicy`), gradients
-    reduced in fp32; compared within bf16's rounding (`BF16_TOL`)."""
+    reduced in fp32; compared within bf16's rounding (`BF16_GRAD_TOL`)."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -141,7 +138,7 @@ def fsdp2_rank_step(rank: int, world: int, port: int, device: str, compiler: str
             assert backwards == NUM_LAYERS and counters["mok"]["fused_moe"] >= 1, (backwards, dict(counters["mok"]))
         else:
             assert counters["mok"]["fused_moe"] == NUM_LAYERS, dict(counters["mok"])
-        assert_same_step(got, want, BF16_TOL if mixed_precision else TOL[device], f"rank {rank}")
+        assert_same_step(got, want, BF16_GRAD_TOL if mixed_precision else TOL[device], f"rank {rank}")
 
 
 def spawn(fn, world: int, *args):
