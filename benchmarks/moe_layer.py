@@ -126,12 +126,12 @@ def check_expert_sizes(family, block, sizes):
                          f"not the shape's {sizes.experts}, {sizes.hidden}, {sizes.intermediate}")
 
 
-def build_block(family, sizes, overrides):
-    """The HF block at real sizes, built directly on the GPU in bf16 (no fp32 CPU copy of the weights)."""
+def build_block(family, sizes, overrides, dtype=torch.bfloat16):
+    """The HF block at real sizes, built directly on the GPU in `dtype` (no fp32 CPU copy of the weights)."""
     cfg = hf_blocks.make_config(family, sizes, **overrides)
     cfg._experts_implementation = "grouped_mm"
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("cuda"):
             block = hf_blocks.new_block(family, cfg)

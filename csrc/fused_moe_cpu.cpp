@@ -75,7 +75,7 @@ struct MoeOptions {
   int64_t identity_experts;  // router choices past the experts: their pairs pass the token through, weighted
   int64_t zero_experts;      // router choices past the experts whose pairs add nothing (Zaya's skip expert)
   double jitter_eps;         // the sparsemixer's mask threshold is 2 * jitter_eps
-  bool round_weights;        // fp32 weights rounded through x's dtype (Ergo)
+  std::optional<at::ScalarType> round_weights;  // fp32 weights rounded through this 16-bit dtype (Ergo: x's)
   std::string post_norm;     // "none", "rms" or "scaled_rms": a norm of each pair's expert output (spec.ExpertSpec)
   double post_norm_eps;
   double post_norm_offset;
@@ -178,7 +178,7 @@ std::tuple<Tensor, Tensor> finish_weights(Tensor w, const Tensor& ids, const Opt
   if (expert_scale.has_value()) {
     w = w * expert_scale_at(*expert_scale, ids, at::promote_types(w.scalar_type(), expert_scale->scalar_type()));
   }
-  if (o.round_weights) w = w.to(x_dtype);
+  if (o.round_weights) w = w.to(*o.round_weights);
   return {w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype), ids};
 }
 
@@ -682,7 +682,7 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
       double renorm_min, int64_t group_top, int64_t identity_experts, int64_t zero_experts, double jitter_eps,  \
-      bool round_weights,                                                                                        \
+      std::optional<at::ScalarType> round_weights,                                                               \
       c10::string_view post_norm, double post_norm_eps, double post_norm_offset, const OptTensor &expert_ids,    \
       const OptTensor &expert_scale, const OptTensor &post_norm_weight
 #define MOK_CPU_FORWARD_VALUES                                                                                   \
@@ -736,7 +736,8 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    int64_t identity_experts, int64_t zero_experts, double jitter_eps, bool round_weights, c10::string_view post_norm,
+    int64_t identity_experts, int64_t zero_experts, double jitter_eps, std::optional<at::ScalarType> round_weights,
+    c10::string_view post_norm,
     double post_norm_eps,
     double post_norm_offset, const OptTensor& gate_up_out, const OptTensor& expert_scale,
     const OptTensor& post_norm_weight) {
@@ -915,7 +916,8 @@ BackwardResult fused_moe_backward(
   "int top_k, str routing, bool router_is_logits, bool router_fp32, bool softmax_fp32, bool renormalize, "       \
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
-  "float renorm_min, int group_top, int identity_experts, int zero_experts, float jitter_eps, bool round_weights, " \
+  "float renorm_min, int group_top, int identity_experts, int zero_experts, float jitter_eps, "                    \
+  "ScalarType? round_weights, "                                                                                  \
   "str post_norm, float post_norm_eps, float post_norm_offset"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \

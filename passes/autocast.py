@@ -10,9 +10,12 @@ holds the span::
 and spans nest: Ernie 4.5's router turns autocast off for its own logits inside the block.
 
 Autocast casts the region's GEMM inputs (and runs some reductions in fp32); the fused op is not autocast-aware
-and computes in its operands' dtypes. So the probe runs each region node under its autocast and the reference
-without any, and a block is fused only where the two agree: a bf16 model under bf16 autocast does; an fp32 model
-does not (autocast runs its router in bf16 while transformers runs its experts in fp32), and its report says why.
+and computes in its operands' dtypes (its kernels run with autocast excluded). So the probe runs each region node
+under its autocast and the reference without any, and a block is fused only where the two agree: a bf16 model
+under bf16 autocast does. So does an fp32 transformers model: autocast runs its router's linear in bf16, which stays
+in the graph (its logits in another dtype than the op's own), while transformers casts the experts' input back to
+the fp32 weights, and the bf16 routing weights widen again in their product with the experts' rows (the op's
+`round_weights`). Experts whose own GEMMs autocast casts are not fused, and their report says why.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ _ENTER, _EXIT = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode
 _DEVICES = ("cuda", "cpu")
 
 HINT = ("autocast ({}) is on around this block: the op computes in its operands' dtypes, and it fuses a block "
-        "only where that gives autocast's result. With fp32 weights autocast computes a block in a mix of dtypes "
-        "(transformers' router in {}, its experts in fp32), which the op does not. Give the model {} weights "
-        "(`model.to(torch.{})`, or FSDP2's `MixedPrecisionPolicy(param_dtype=torch.{})`) to fuse it")
+        "only where that gives autocast's result. On fp32 weights it takes a router's {} logits from the graph and "
+        "runs fp32 experts (transformers' default `grouped_mm` ones), not experts whose GEMMs autocast "
+        "runs in {} (linear, matmul, bmm). Give the model {} weights (`model.to(torch.{})`, or FSDP2's "
+        "`MixedPrecisionPolicy(param_dtype=torch.{})`) to fuse it")
 
 
 def node_states(graph: fx.Graph, outer: tuple | None = None) -> dict[fx.Node, tuple]:
@@ -70,4 +74,4 @@ def hint(state: tuple) -> str | None:
     if not state:
         return None
     name = str(state[0][1]).removeprefix("torch.")
-    return HINT.format(", ".join(f"{d}, {str(t).removeprefix('torch.')}" for d, t in state), name, name, name, name)
+    return HINT.format(", ".join(f"{d}, {str(t).removeprefix('torch.')}" for d, t in state), *[name] * 5)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from mok_compile.ops.reference import logits_dtype
 from mok_compile.ops.spec import ExpertSpec, RoutingSpec, op_kwargs, scalar_defaults
 
 from . import autocast, eager_fragments, lone_experts
@@ -176,7 +177,10 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
     # Dense weight-on-input routing (Llama4): the graph's weights are [T, E] scores, not the op's [T, K] weights;
     # if something outside the block reads them, they stay in the graph (never replaced by the op's output).
     exportable = None if router.spec.weight_on_input else router.weights
-    plan = plan_rewrite(flow, region, exportable, _expert_inputs(experts))
+    # Logits in another dtype than the op would compute them in (a router under bf16 autocast, on fp32 weights): the
+    # graph's router stays, and the op takes its logits.
+    keep_logits = tensor_meta(region.logits).dtype != logits_dtype(report.dtype, router.spec.router_fp32)
+    plan = plan_rewrite(flow, region, exportable, _expert_inputs(experts), keep_logits)
     routing = router.spec
     router_arg, router_bias = router.weight, router.bias
     nd_logits = tensor_meta(region.logits).dim() > 2  # [B, S, E] logits (Zaya's): the op's are [T, E]

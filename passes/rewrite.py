@@ -65,10 +65,12 @@ def _size_checks(region: Region) -> set[fx.Node]:
     return {m for m, ok in memo.items() if ok} & found
 
 
-def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs: list[fx.Node]) -> Plan:
-    """Which region values must survive the rewrite, and which the op's outputs replace."""
+def plan_rewrite(flow: Dataflow, region: Region, weights: fx.Node, expert_inputs: list[fx.Node],
+                 keep_logits: bool = False) -> Plan:
+    """Which region values must survive the rewrite, and which the op's outputs replace. `keep_logits`: the router
+    stays as the graph computes it, and the op takes its logits."""
     out_pos = flow.order[region.out]
-    exports, kept = {}, []
+    exports, kept = {}, [region.logits] if keep_logits else []
     disposable = _size_checks(region)
     for n in region.nodes:
         outside = [u for u in n.users if u not in region.nodes and u not in disposable]

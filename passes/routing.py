@@ -292,7 +292,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     trace again, and the pass then sees a constant."""
     stage, renormalize, eps, renorm_min, scale, expert_scale, runtime = 0, False, 0.0, 0.0, 1.0, None, {}
     narrowest = None  # the dtype a cast rounded the weights to
-    round_weights = False  # rounded to the input dtype, then widened again (Ergo)
+    round_weights = None  # the 16-bit dtype they were rounded to, then widened again (Ergo: the input dtype)
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
@@ -323,11 +323,14 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         elif name in CAST_OPS and u.args[0] is w:
             before, after = tensor_meta(w).dtype, tensor_meta(u).dtype
             if after.itemsize > before.itemsize and narrowest is not None:
-                if narrowest != tensor_meta(region.x).dtype or after != torch.float32:
+                if after != torch.float32:
                     raise NoMatch(f"the routing weights are rounded to {narrowest} and widened again to {after}: "
-                                  "the op rounds fp32 weights only through the input dtype (round_weights)")
-                round_weights = True
+                                  "the op rounds weights only to keep them in fp32 (round_weights)")
+                round_weights = narrowest
             if after != before:  # a cast to the same dtype changes nothing
+                if after.itemsize < before.itemsize and round_weights not in (None, after):
+                    raise NoMatch(f"the routing weights are rounded to {round_weights}, then to {after}: the op "
+                                  "rounds them once (round_weights)")
                 narrowest = after if after.itemsize < before.itemsize else narrowest
                 stage = 4
         elif name == "mul" and stage <= 3 and _per_expert(region, _other(u, w)):
@@ -342,7 +345,15 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         w = u
     if routing is None:
         raise NoMatch("found no softmax or sigmoid in the router")
-    weights_fp32 = tensor_meta(w).dtype == torch.float32
+    final = tensor_meta(w).dtype
+    weights_fp32 = final == torch.float32
+    if round_weights is not None and not weights_fp32:
+        raise NoMatch(f"the routing weights are rounded to {round_weights}, widened, then cast to {final}: the op "
+                      "keeps rounded weights in fp32 (round_weights)")
+    if final.itemsize == 2 and tensor_meta(region.x).dtype == torch.float32:
+        # 16-bit weights on fp32 experts (Qwen's `w.to(logits.dtype)` under bf16 autocast): their product with the
+        # experts' fp32 rows widens them again, so the op keeps them fp32, rounded (the probe proves the products)
+        weights_fp32, round_weights = True, final
     spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
                        weights_fp32=weights_fp32, round_weights=round_weights, **groups)

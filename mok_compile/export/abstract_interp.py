@@ -39,7 +39,8 @@ _SCALAR_TYPE_INT64 = 4
 _SCALAR_TYPE_FLOAT32 = 6
 _SCALAR_TYPE_FLOAT64 = 7
 
-_SCALAR_TYPES = {"int": "!torch.int", "float": "!torch.float", "bool": "!torch.bool", "str": "!torch.str"}
+_SCALAR_TYPES = {"int": "!torch.int", "float": "!torch.float", "bool": "!torch.bool", "str": "!torch.str",
+                 "Optional[int]": "!torch.optional<int>"}  # ScalarType? (round_weights): a dtype code or None
 
 
 def _arg_type(arg: torch.Argument, tensor_type: str) -> str:

@@ -374,7 +374,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"],
         expert_ids=None if expert_ids is None else expert_ids.contiguous(),
         expert_scale=None if expert_scale is None else expert_scale.contiguous(), jitter_eps=kw["jitter_eps"],
-        round_to=_rounded_weights_dtype(x, kw))
+        round_to=kw["round_weights"])
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)
@@ -439,11 +439,6 @@ def _expert_rows(x, disp, ids, w, gate_up_proj, gate_up_bias, down_proj, down_bi
           gated=False, act=0, col_mul=1, up_off=0, kw=kw,
           cfg=configs.config("down", x.dtype, rows_per_expert, x.device), precision=precision)
     return y, h
-
-
-def _rounded_weights_dtype(x, kw):
-    """The 16-bit dtype `round_weights` rounds the fp32 weights through (x's), or None (not asked, or a no-op)."""
-    return x.dtype if kw["round_weights"] and x.dtype in (torch.bfloat16, torch.float16) else None
 
 
 def _identity(source, weights, E, kw, *, rounded):

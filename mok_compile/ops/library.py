@@ -36,7 +36,7 @@ _SCALARS = (
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
     "float renorm_min=0.0, int group_top=2, int identity_experts=0, int zero_experts=0, float jitter_eps=0.0, "
-    "bool round_weights=False, str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0"
+    "ScalarType? round_weights=None, str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -204,8 +204,12 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"jitter_eps must be a finite number >= 0, got {kw['jitter_eps']}")
     if routing == "sparsemixer" and (selection_bias is not None or kw.get("expert_ids") is not None):
         _fail("routing='sparsemixer' chooses by its own masks: selection_bias and expert_ids must not be set")
-    if kw["round_weights"] and not kw["weights_fp32"]:
-        _fail("round_weights=True rounds fp32 weights: it needs weights_fp32=True")
+    if kw["round_weights"] is not None:
+        if kw["round_weights"] not in (torch.bfloat16, torch.float16):
+            _fail(f"round_weights must be torch.bfloat16 or torch.float16 (the weights' rounding), got "
+                  f"{kw['round_weights']}")
+        if not kw["weights_fp32"]:
+            _fail("round_weights rounds fp32 weights: it needs weights_fp32=True")
     if kw["group_top"] not in (1, 2):
         _fail(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {kw['group_top']}")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),
@@ -438,6 +442,9 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _BACKEND_KERNELS = {}  # (op, raw keyset below autograd) -> the Python kernel the dispatcher would call
 _FALLTHROUGH = torch._C.DispatchKeySet(torch._C.DispatchKey.BackendSelect) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.ADInplaceOrView)  # keys no mok op has a kernel for: the dispatcher passes them by
+_AUTOCAST_KEYS = ("AutocastCPU", "AutocastCUDA")
+_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCUDA)  # excluded around the op's kernels (see autocast, below)
 
 
 def register_backend_kernel(op, key: str, kernel):
@@ -543,6 +550,13 @@ class _FusedMoeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_topk_weights, _grad_ids):
+        # The engine calls this under the autocast of the backward's caller, not through the op's autocast kernels
+        # (below): the same exclusion, so that the backward too computes in its operands' dtypes.
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+            return _FusedMoeFunction._backward(ctx, grad_out, grad_topk_weights)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_topk_weights):
         saved = ctx.saved_tensors
         tensors, topk_weights, topk_ids = saved[:8], saved[8], saved[9]
         n = len(ctx.learned)
@@ -599,3 +613,28 @@ def _fused_moe_autograd(keyset, *args, **kwargs):
 
 
 lib.impl("fused_moe", _fused_moe_autograd, "Autograd", with_keyset=True)
+
+# ----------------------------------------------------------------------------- autocast
+# The op computes in its operands' dtypes. A custom op has no autocast kernel of its own, so autocast falls through
+# to its kernels, whose inner torch calls (the C++ kernel's matmuls, the reference's linear) it then cast: an fp32
+# op under bf16 autocast computed partly in bf16, or failed on a dtype. Its autocast kernels run it with autocast
+# excluded, as `torch.library.register_autocast` does after casting the inputs, which this op must not do: the pass
+# fuses a block under autocast on operands in the dtypes autocast gave them in the graph.
+
+
+def _outside_autocast(op):
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _register_autocast_kernels():
+    for name in ("fused_moe", "fused_moe_train", "fused_moe_backward", "fused_moe_backward_consume"):
+        kernel = _outside_autocast(getattr(torch.ops.mok, name).default)
+        for key in _AUTOCAST_KEYS:
+            lib.impl(name, kernel, key)
+
+
+_register_autocast_kernels()

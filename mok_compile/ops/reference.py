@@ -141,7 +141,7 @@ def sparsemixer(scores, top_k, jitter_eps):
 
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
           renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2, expert_ids=None,
-          expert_scale=None, jitter_eps=0.0, round_weights=False):
+          expert_scale=None, jitter_eps=0.0, round_weights=None):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour. `expert_ids`: the ids, given; the
     weights are the routing's values there (DeepSeek-V4's hash routing: `scores.gather(1, tid2eid[input_ids])`).
     `expert_scale` [E]: each weight times its expert's value, last (Gemma 4's `per_expert_scale`)."""
@@ -174,15 +174,15 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
 
 
 def _finish_weights(w, ids, *, x_dtype, renormalize, renorm_eps, renorm_min, routed_scale, expert_scale,
-                    weights_fp32, round_weights=False):
+                    weights_fp32, round_weights=None):
     """The steps every routing ends with: renormalise, scale, the per-expert scale, the cast (with
-    `round_weights`, through the input dtype)."""
+    `round_weights`, through that dtype)."""
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, renorm_min=renorm_min,
                           routed_scale=routed_scale)
     if expert_scale is not None:
         w = w * _expert_scale_at(expert_scale, ids, torch.promote_types(w.dtype, expert_scale.dtype))
-    if round_weights:
-        w = w.to(x_dtype)
+    if round_weights is not None:
+        w = w.to(round_weights)
     w = w.to(routing_weights_dtype(x_dtype, weights_fp32))
     return w, ids
 
@@ -340,7 +340,7 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
                         weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, zero_experts=0,
-                        jitter_eps=0.0, round_weights=False, post_norm="none", post_norm_eps=1e-6,
+                        jitter_eps=0.0, round_weights=None, post_norm="none", post_norm_eps=1e-6,
                         post_norm_offset=0.0, expert_ids=None, expert_scale=None, post_norm_weight=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
@@ -505,7 +505,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
                                  renorm_min=0.0, group_top=2, identity_experts=0, zero_experts=0,
-                                 jitter_eps=0.0, round_weights=False, post_norm="none", post_norm_eps=1e-6,
+                                 jitter_eps=0.0, round_weights=None, post_norm="none", post_norm_eps=1e-6,
                                  post_norm_offset=0.0, gate_up_out=None, router_logits=None, routing_layout=None,
                                  expert_scale=None, post_norm_weight=None, post_norm_input=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order

@@ -44,6 +44,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+import torch
+
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped_topk", "topk_sigmoid", "sqrtsoftplus_topk", "sparsemixer")
 # C and E: per-expert scores, an unsorted top-k of them (plus any selection bias), the scores gathered at its ids.
 SCORE_ROUTINGS = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")
@@ -74,9 +76,12 @@ class RoutingSpec:
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
-    round_weights: with ``weights_fp32``, the weights are rounded to the input
-        dtype and kept in fp32 (Ergo's ``w.to(x.dtype).float()``): the weighted
-        sum is in fp32 over rounded weights. The rounding's gradient is the identity.
+    round_weights: a 16-bit dtype or None. With ``weights_fp32``, the weights are
+        rounded to it and kept in fp32: the weighted sum is in fp32 over rounded
+        weights. Ergo's ``w.to(x.dtype).float()`` rounds to the input dtype; a
+        Qwen-style ``w.to(logits.dtype)`` under bf16 autocast, with fp32 experts
+        (whose product widens the weights again), rounds to bf16. The rounding's
+        gradient is the identity.
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
     n_group, topk_group, group_top: group-limited selection (``softmax_topk``,
         ``sigmoid_grouped_topk`` and ``sqrtsoftplus_topk``): the experts form
@@ -120,7 +125,7 @@ class RoutingSpec:
     identity_experts: int = 0
     zero_experts: int = 0
     jitter_eps: float = 0.0
-    round_weights: bool = False
+    round_weights: torch.dtype | None = None
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -144,8 +149,10 @@ class RoutingSpec:
                              "past the experts)")
         if not 0.0 <= self.jitter_eps < float("inf"):
             raise ValueError(f"jitter_eps must be a finite number >= 0, got {self.jitter_eps}")
-        if self.round_weights and not self.weights_fp32:
-            raise ValueError("round_weights=True rounds fp32 weights: it needs weights_fp32=True")
+        if self.round_weights not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"round_weights must be None, torch.bfloat16 or torch.float16, got {self.round_weights}")
+        if self.round_weights is not None and not self.weights_fp32:
+            raise ValueError("round_weights rounds fp32 weights: it needs weights_fp32=True")
 
 
 @dataclass(frozen=True)

@@ -381,19 +381,23 @@ def test_training_checkpointed_on_cuda_with_inductor():
         assert_close_rel(got_grads[name], want, 1e-3, f"grad of {name}")
 
 
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_under_autocast(family):
-    """bf16 weights under bf16 autocast (as a training loop that enters autocast around a bf16 model): each block
-    fused, the step as eager's under the same autocast."""
-    model = tiny_model(family, torch.bfloat16)
+def test_training_under_autocast(family, weights):
+    """bf16 autocast around a bf16 model, or around an fp32 one (HF Trainer's `bf16=True`: the router's linear in
+    bf16, left in the graph, and the experts in fp32, the op's round_weights): each block fused, the step as eager's
+    under the same autocast."""
+    model = tiny_model(family, weights)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _check_step(model, torch.bfloat16, train=True)
 
 
-def test_near_miss_fp32_weights_under_autocast_are_left_unfused_and_say_why(caplog):
-    """fp32 weights under bf16 autocast: autocast runs the router in bf16, transformers' experts in fp32; the op
-    computes neither way, so nothing is fused, the logits are eager's, and the warning tells the user what to do."""
+def test_near_miss_bmm_experts_on_fp32_weights_under_autocast_are_left_unfused_and_say_why(caplog):
+    """fp32 weights under bf16 autocast with transformers' batched_mm experts, whose bmm's autocast runs in bf16: the
+    op runs fp32 experts on fp32 weights, so nothing is fused, the logits are eager's, and the warning tells the user
+    what to do."""
     model, ids = tiny_model("qwen3_moe"), token_ids()
+    model.set_experts_implementation("batched_mm")
     with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("WARNING", logger="mok_compile"):
         want, _, _ = forward(model, ids)
         got, _, _ = forward(model, ids, backend="mok", options=AOT)
@@ -403,9 +407,10 @@ def test_near_miss_fp32_weights_under_autocast_are_left_unfused_and_say_why(capl
 
 
 @pytest.mark.gpu
-def test_training_under_cuda_autocast():
-    """CUDA's autocast casts more ops than the CPU's (softmax and sums to fp32): bf16 weights under it, each block
-    fused, the step within bf16 rounding of eager's under the same autocast."""
-    model = tiny_model("qwen3_moe", torch.bfloat16).cuda()
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_training_under_cuda_autocast(weights):
+    """CUDA's autocast casts more ops than the CPU's (softmax and sums to fp32): bf16 or fp32 weights under it, each
+    block fused, the step within bf16 rounding of eager's under the same autocast."""
+    model = tiny_model("qwen3_moe", weights).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _check_step(model, torch.bfloat16, train=True, device="cuda", tol=dict(logits=1e-2, grads=BF16_GRAD_TOL))

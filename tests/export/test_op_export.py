@@ -104,17 +104,18 @@ def test_static_shapes_stay_static(mixtral):
     filecheck(text, "CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[5,32],f32>)")
 
 
-@pytest.mark.parametrize("family, dtype, weights_fp32, weights_type", [
-    ("qwen3_moe", torch.float32, True, "f32"),
-    ("qwen3_moe", torch.bfloat16, False, "bf16"),
-    ("qwen3_moe", torch.bfloat16, True, "f32"),
-    ("qwen3_moe", torch.float64, True, "f64"),
-    ("llama4", torch.bfloat16, False, "bf16"),  # routing='topk_sigmoid', weight_on_input=True: the newest argument
+@pytest.mark.parametrize("family, dtype, weights_fp32, weights_type, round_weights", [
+    ("qwen3_moe", torch.float32, True, "f32", None),
+    ("qwen3_moe", torch.bfloat16, False, "bf16", None),
+    ("qwen3_moe", torch.bfloat16, True, "f32", None),
+    ("qwen3_moe", torch.float64, True, "f64", None),
+    ("llama4", torch.bfloat16, False, "bf16", None),  # routing='topk_sigmoid', weight_on_input=True
+    ("qwen3_moe", torch.float32, True, "f32", torch.bfloat16),  # a dtype argument (ScalarType?)
 ])
-def test_abstract_interp_library_refines_erased_result_types(family, dtype, weights_fp32, weights_type):
+def test_abstract_interp_library_refines_erased_result_types(family, dtype, weights_fp32, weights_type, round_weights):
     """Erase the op's result types; torch-mlir must infer them from our shape/dtype functions alone."""
     moe = FusedMoE(family, dtype=dtype)
-    kw = {**moe.kw, "weights_fp32": weights_fp32}
+    kw = {**moe.kw, "weights_fp32": weights_fp32, "round_weights": round_weights}
 
     def fused_moe(x, router, gate_up_proj, down_proj):
         # Weights as inputs, not literals: a bf16 literal would need the ml_dtypes package.

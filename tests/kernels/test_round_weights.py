@@ -1,7 +1,7 @@
-"""`round_weights` (Ergo's fp32 routing weights rounded through the input dtype) in the Triton routing kernel: the
-weights are the unrounded kernel's rounded to the input dtype, bit for bit, kept fp32; the output is the reference
-experts' on those weights; the backward is the unrounded one's. Interpreted in fp16 (the interpreter truncates
-bf16), on the GPU in bf16 and fp16."""
+"""`round_weights` (fp32 routing weights rounded to 16 bits: Ergo's through the input dtype, autocast's bf16 ones on
+fp32 experts) in the Triton routing kernel: the weights are the unrounded kernel's rounded, bit for bit, kept fp32;
+the output is the reference experts' on those weights; the backward is the unrounded one's. Interpreted in fp16 and
+fp32 rounded to fp16 (the interpreter truncates bf16), on the GPU in bf16, fp16 and fp32 rounded to bf16."""
 
 import pytest
 
@@ -18,12 +18,17 @@ from tests.kernels.cases import make_case, rel_err
 
 def compare(device, seed):
     res = {}
-    dtypes = (torch.float16,) if device == "cpu" else (torch.bfloat16, torch.float16)
-    for dtype in dtypes:
+    # (the experts' dtype, the weights' rounding): through the input dtype (Ergo), or to 16 bits on fp32 experts
+    # (bf16 under autocast; fp16 interpreted)
+    if device == "cpu":
+        dtypes = ((torch.float16, torch.float16), (torch.float32, torch.float16))
+    else:
+        dtypes = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))
+    for dtype, round_to in dtypes:
         for variant, T in (("deepseek_v3", 19), ("deepseek_v3", 70), ("qwen3", 19)):
             tensors, kw = make_case(variant, T, 64, 32, 8, 2, dtype, device=device, seed=seed + T)
-            kw = dict(kw, weights_fp32=True, round_weights=False)
-            rounded = dict(kw, round_weights=True)
+            kw = dict(kw, weights_fp32=True, round_weights=None)
+            rounded = dict(kw, round_weights=round_to)
             out, w, ids = moe.fused_moe_forward(*tensors, **rounded)
             _, plain_w, plain_ids = moe.fused_moe_forward(*tensors, **kw)
             names = ("activation", "gated", "interleaved", "transposed", "alpha", "limit")
@@ -34,7 +39,7 @@ def compare(device, seed):
             plain = moe.fused_moe_backward(go, None, *tensors, w, ids, **kw)
             res[f"{variant}/T{T}/{str(dtype)[6:]}"] = dict(
                 ids_equal=bool(torch.equal(ids, plain_ids)), w_dtype=str(w.dtype),
-                rounded=bool(torch.equal(w, plain_w.to(dtype).float())), moved=bool(not torch.equal(w, plain_w)),
+                rounded=bool(torch.equal(w, plain_w.to(round_to).float())), moved=bool(not torch.equal(w, plain_w)),
                 out_err=rel_err(out, r_out),
                 backward_equal=all(a is None and b is None or torch.equal(a, b) for a, b in zip(grads, plain)))
     return res
@@ -50,9 +55,9 @@ def _check(results, n_cases):
 
 
 def test_round_weights_interpreted():
-    _check(run_compare(_CASE, "cpu"), n_cases=3)
+    _check(run_compare(_CASE, "cpu"), n_cases=6)
 
 
 @pytest.mark.gpu
 def test_round_weights_gpu():
-    _check(run_compare(_CASE, "cuda"), n_cases=6)
+    _check(run_compare(_CASE, "cuda"), n_cases=9)

@@ -1,8 +1,10 @@
-"""`mok::fused_moe` with `round_weights` (Ergo's routing weights: rounded to the input dtype, widened to fp32 again).
+"""`mok::fused_moe` with `round_weights` (routing weights rounded to 16 bits, widened to fp32 again: Ergo's through
+the input dtype; a Qwen router's under bf16 autocast, on fp32 experts, through bf16).
 
-The weights are the unrounded op's, rounded through the input dtype; the weighted sum is in fp32 over them; the
+The weights are the unrounded op's, rounded through that dtype; the weighted sum is in fp32 over them; the
 gradients are the unrounded op's formula (the rounding reads as the identity). On the C++ kernel, the reference
-and the export decomposition; without fp32 weights the flag is an error that names it.
+and the export decomposition; without fp32 weights, or with a dtype other than 16 bits, the argument is an error
+that names it.
 """
 
 import pytest
@@ -17,25 +19,32 @@ fused_moe = torch.ops.mok.fused_moe.default
 CASE = CASES_BY_NAME["sigmoid_deepseek_v3"]
 
 
-def _args(T, dtype, seed=0):
-    """The case's arguments, and its keywords with and without round_weights."""
+def _args(T, dtype, seed=0, round_to=None):
+    """The case's arguments, and its keywords with and without round_weights (through `round_to`, else `dtype`)."""
     args, kw = make_args(CASE, T=T, dtype=dtype, seed=seed)
-    return args, {**kw, "round_weights": True}, {**kw, "round_weights": False}
+    return args, {**kw, "round_weights": round_to or dtype}, {**kw, "round_weights": None}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_rounded_weights_are_the_weights_rounded(dtype):
-    args, kw, plain = _args(31, dtype, seed=2)
+# (the experts' dtype, the weights' rounding)
+ROUNDINGS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype,round_to", ROUNDINGS, ids=lambda d: str(d)[6:])
+def test_rounded_weights_are_the_weights_rounded(dtype, round_to):
+    args, kw, plain = _args(31, dtype, seed=2, round_to=round_to)
     out, w, ids = fused_moe(*args, **kw)
     _, unrounded, same_ids = fused_moe(*args, **plain)
     assert torch.equal(ids, same_ids) and w.dtype == torch.float32
-    assert torch.equal(w, unrounded.to(dtype).float()) and not torch.equal(w, unrounded)
+    assert torch.equal(w, unrounded.to(round_to).float()) and not torch.equal(w, unrounded)
     ref = reference.fused_moe_reference(*args, **kw)
     for a, b in zip((out, w, ids), ref, strict=True):
         assert torch.equal(a, b)
     decomposed = fused_moe_decomposed(*args, **kw)
-    for a, b in zip((out, w, ids), decomposed, strict=True):
+    for a, b in zip((w, ids), decomposed[1:], strict=True):
         assert torch.equal(a, b)
+    # the decomposition's expert GEMMs sum in another order than the kernel's: fp32 outputs agree to its rounding
+    exact = dict(atol=0, rtol=0) if dtype != torch.float32 else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(decomposed[0], out, **exact)
 
 
 def test_rounding_reads_as_the_identity_in_the_backward():
@@ -51,5 +60,11 @@ def test_rounding_reads_as_the_identity_in_the_backward():
 
 def test_round_weights_needs_fp32_weights():
     args, kw, _ = _args(3, torch.bfloat16)
-    with pytest.raises(ValueError, match="round_weights=True rounds fp32 weights: it needs weights_fp32=True"):
+    with pytest.raises(ValueError, match="round_weights rounds fp32 weights: it needs weights_fp32=True"):
         fused_moe(*args, **{**kw, "weights_fp32": False})
+
+
+def test_round_weights_takes_a_16_bit_dtype():
+    args, kw, _ = _args(3, torch.float32)
+    with pytest.raises(ValueError, match="round_weights must be torch.bfloat16 or torch.float16"):
+        fused_moe(*args, **{**kw, "round_weights": torch.float32})

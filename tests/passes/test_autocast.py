@@ -1,13 +1,16 @@
 """Blocks under autocast (`passes.autocast`): the probe runs the region under the block's autocast, entered around
-the compiled call or inside it, and the op's reference without any; a bf16 block fuses, an fp32 one does not, and
-its report says why."""
+the compiled call or inside it, and the op's reference without any; a bf16 block fuses, and so does an fp32
+transformers block (its bf16 router left in the graph), while fp32 experts that autocast runs in bf16 do not, and
+their report says why."""
 
 import pytest
 import torch
 import torch.nn as nn
 
+from mok_compile.hf_blocks import make_block
 from mok_compile.ops import reference
 from mok_compile.passes import autocast, fuse_moe, validate
+from mok_compile.passes.op_names import op_name, tensor_meta
 
 from . import models
 from .helpers import capture, count_fused, run
@@ -55,8 +58,27 @@ def test_a_bf16_block_under_autocast_is_fused(where):
     torch.testing.assert_close(got, eager, **BF16)
 
 
+def test_an_fp32_transformers_block_under_autocast_is_fused_with_its_router_left_in_the_graph():
+    """fp32 weights under bf16 autocast (HF Trainer's `bf16=True`): autocast runs the router's linear in bf16, while
+    transformers casts the experts' input back to the fp32 weights and weighs their fp32 rows by bf16 routing
+    weights. The linear stays in the graph (its logits in another dtype than the op's own) and the op takes its
+    logits; the weights are rounded to bf16 and kept in fp32 (round_weights)."""
+    block = make_block("qwen3_moe")
+    x = torch.randn(2, 6, block.gate.weight.shape[1])
+    gm, _, report, got, eager = _fuse_under(block, x, torch.autocast("cpu", dtype=torch.bfloat16))
+    assert count_fused(gm) == 1, str(report)
+    r = report.fused[0].routing
+    assert (r.router_is_logits, r.weights_fp32, r.round_weights) == (True, True, torch.bfloat16)
+    (op,) = [n for n in gm.graph.nodes if n.op == "call_function" and "mok" in str(n.target)]
+    logits = op.args[1]
+    assert op_name(logits) == "linear" and tensor_meta(logits).dtype == torch.bfloat16
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("where", ["around", "inside"])
 def test_near_miss_an_fp32_block_under_autocast_is_left_unfused_and_says_why(where):
+    """Experts on bmm's, which autocast runs in bf16 on fp32 weights: the op runs fp32 experts there."""
     gm, code, report, _, _ = _fuse_under(*_block(where, torch.float32))
     (block,) = report.blocks
     assert not block.fused and gm.code == code
