@@ -2,6 +2,7 @@
 `backend="mok"`.
 
     python -m benchmarks.autocast_layer --out DIR [--shapes qwen3,mixtral] [--tokens 4096] [--rounds 3]
+        [--without-autocast]
 
 transformers' block (its default `grouped_mm` experts) with fp32 weights (std 0.02), called under
 `torch.autocast("cuda", dtype=torch.bfloat16)`: autocast runs the router's linear in bf16 and transformers runs the
@@ -13,7 +14,8 @@ Columns, all under the same autocast:
             stays in the graph and the op runs the fp32 experts
 forward (no_grad) and forward+backward (loss = mean(out^2), x and all weights require grad), medians over --rounds
 rounds of triton.testing.do_bench, the order reversed every other round. x = hf+comp's time / the column's. Also the
-output's error against hf's, relative to its norm. Writes autocast_layer.json under --out.
+output's error against hf's, relative to its norm. `--without-autocast`: the same fp32 block with no autocast (an fp32
+model: the router in fp32 too). Writes autocast_layer.json under --out.
 """
 
 from __future__ import annotations
@@ -30,35 +32,36 @@ from mok_compile.backend import mok_backend
 from .moe_layer import SHAPES, block_output, build_block, fwd_bwd, time_in_rounds, write_json
 
 
-def under_autocast(fn):
+def under_autocast(fn, enabled: bool):
     def run(x):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled):
             return fn(x)
 
     return run
 
 
-def runners(block) -> dict:
+def runners(block, autocast: bool) -> dict:
     def hf(x):
         return block_output(block(x))
 
     def hf_for_mok(x):  # its own code object: Dynamo caches per code object, one backend each
         return block_output(block(x))
 
-    return {"hf": under_autocast(hf), "hf+comp": under_autocast(torch.compile(hf, dynamic=False)),
-            "mok+comp": under_autocast(torch.compile(hf_for_mok, backend=mok_backend, dynamic=False))}
+    return {"hf": under_autocast(hf, autocast),
+            "hf+comp": under_autocast(torch.compile(hf, dynamic=False), autocast),
+            "mok+comp": under_autocast(torch.compile(hf_for_mok, backend=mok_backend, dynamic=False), autocast)}
 
 
-def run_shape(name, tokens, rounds, log) -> list[dict]:
+def run_shape(name, tokens, rounds, log, autocast=True) -> list[dict]:
     family, sizes, overrides, _ = SHAPES[name]
     torch._dynamo.reset()
     block = build_block(family, sizes, overrides, dtype=torch.float32)
-    fns = runners(block)
+    fns = runners(block, autocast)
     params = [p for p in block.parameters() if p.requires_grad]
     rows = []
     for T in tokens:
         x = torch.randn(1, T, sizes.hidden, device="cuda")
-        row = {"shape": name, "T": T}
+        row = {"shape": name, "T": T, "autocast": autocast}
         timed = []
         with torch.no_grad():
             ref = fns["hf"](x).float()
@@ -67,7 +70,7 @@ def run_shape(name, tokens, rounds, log) -> list[dict]:
             with torch.no_grad():
                 out = fn(x).float()
             if which == "mok+comp" and counters["mok"]["fused_moe"] == fused_before:
-                raise SystemExit(f"{name} T={T}: backend='mok' fused no MoE block under autocast (see "
+                raise SystemExit(f"{name} T={T}: backend='mok' fused no MoE block (see "
                                  "mok_compile.diagnostics.explain); its column would time plain inductor")
             row[f"{which}_rel_err"] = ((out - ref).norm() / ref.norm()).item()
             step = fwd_bwd(fn, x.clone().requires_grad_(), params)
@@ -96,13 +99,15 @@ def main():
     ap.add_argument("--shapes", default="qwen3,mixtral")
     ap.add_argument("--tokens", default="4096", help="comma-separated T values")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--without-autocast", action="store_true", help="the fp32 block with no autocast around it")
     args = ap.parse_args()
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; fp32 weights under bf16 autocast; "
+    under = "no autocast" if args.without_autocast else "bf16 autocast"
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; fp32 weights, {under}; "
           "x = hf+comp's time / the column's", flush=True)
     rows = []
     for name in args.shapes.split(","):
         rows += run_shape(name, [int(t) for t in args.tokens.split(",")], args.rounds,
-                          lambda msg: print(msg, flush=True))
+                          lambda msg: print(msg, flush=True), autocast=not args.without_autocast)
         write_json(args.out, "autocast_layer.json", {"rows": rows})
 
 
