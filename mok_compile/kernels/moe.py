@@ -75,10 +75,15 @@ from .routing import route, route_backward, row_dots
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # fp32 follows torch's own matmul setting: tf32 only where the user allowed it for matmuls.
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+    """The fp32 GEMMs' `tl.dot` precision. tf32 only where the user allowed it for matmuls (torch's own setting);
+    otherwise tf32x3 (each operand split into a high and a low tf32 part, three tensor-core products): about fp32's
+    accuracy, where Triton's ieee dot runs on the FMA units at ~10 TFLOP/s on an H100, a fifth of cuBLAS's fp32 GEMMs
+    (NOTES v74). MOK_FP32_DOT=ieee picks that dot."""
+    if dtype != torch.float32:
+        return "ieee"  # not read for 16-bit operands
+    if torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
-    return "ieee"
+    return os.environ.get("MOK_FP32_DOT", "tf32x3")
 
 
 def _sizes(gate_up_proj, down_proj, kw):

@@ -44,7 +44,11 @@ def compare(device, low):
         fp32 = route_backward(logits, ids, pair_pos, parts, dw_extra, **kw)
         got = route_backward(logits, ids, pair_pos, parts, dw_extra, **kw, out_dtype=low)
         full = full_tile(lambda: route_backward(logits, ids, pair_pos, parts, dw_extra, **kw))
-        scale = full.abs().max().clamp_min(1e-30)
+        # Relative to the d(topk_weights) the tile's sums start from, not to the result: the renormalisation's and
+        # the softmax's backward subtract sums of products (d - sum(d * w)), and where they nearly cancel, a sum in
+        # another order moves the small result by many of its own ulps (20 at T=1 on an H100, MOK_TEST_SEED=8073556).
+        dw = parts.abs().sum(0).max() + (0.0 if dw_extra is None else dw_extra.abs().max())
+        scale = torch.maximum(full.abs().max(), dw).clamp_min(1e-30)
         res.append(dict(case=[T, E, K, routing], dtype=str(got.dtype), equal=bool(torch.equal(got, fp32.to(low))),
                         nonzero=bool(got.abs().sum() > 0), tiles=[routing_mod.route_backward_block(E, T)[0],
                                                                    routing_mod.routing_block(E)[0]],
@@ -58,7 +62,7 @@ def _check(results, dtype):
     assert [r["tiles"] for r in results] == [[1, 64], [64, 64], [64, 64], [32, 64], [8, 32], [4, 8]]
     for r in results:
         assert r["dtype"] == dtype and r["equal"] and r["nonzero"], r
-        assert r["tile_diff"] <= 8 * 2.0**-24, r  # fp32, relative to the largest d(logit)
+        assert r["tile_diff"] <= 8 * 2.0**-24, r  # fp32, relative to the largest d(logit) or d(weight)
 
 
 def test_low_precision_d_logits_equal_the_fp32_ones_cast():
