@@ -1,8 +1,8 @@
 """The fp32 GEMMs' dot precision (`kernels.moe._precision`): TF32 where torch allows it for matmuls, else tf32x3
 (about fp32's accuracy on the tensor cores), or Triton's FMA dot with MOK_FP32_DOT=ieee; 16-bit operands ignore it.
 The switch is part of a launch plan's signature, so a plan recorded under one choice is not replayed under the
-other. GPU numerics of each choice: test_triton_gpu.py (fp32 against the reference); speed: benchmarks.autocast_layer
-(NOTES v74)."""
+other. GPU numerics of the default: test_triton_gpu.py (fp32 against the reference); speed:
+benchmarks.autocast_layer (NOTES v74)."""
 
 import pytest
 import torch
