@@ -75,7 +75,8 @@ struct MoeOptions {
   int64_t identity_experts;  // router choices past the experts: their pairs pass the token through, weighted
   int64_t zero_experts;      // router choices past the experts whose pairs add nothing (Zaya's skip expert)
   double jitter_eps;         // the sparsemixer's mask threshold is 2 * jitter_eps
-  std::optional<at::ScalarType> round_weights;  // fp32 weights rounded through this 16-bit dtype (Ergo: x's)
+  bool round_weights;        // fp32 weights rounded through x's dtype (Ergo)
+  std::optional<at::ScalarType> round_weights_to;  // ... through this 16-bit dtype instead
   std::string post_norm;     // "none", "rms" or "scaled_rms": a norm of each pair's expert output (spec.ExpertSpec)
   double post_norm_eps;
   double post_norm_offset;
@@ -178,7 +179,11 @@ std::tuple<Tensor, Tensor> finish_weights(Tensor w, const Tensor& ids, const Opt
   if (expert_scale.has_value()) {
     w = w * expert_scale_at(*expert_scale, ids, at::promote_types(w.scalar_type(), expert_scale->scalar_type()));
   }
-  if (o.round_weights) w = w.to(*o.round_weights);
+  if (o.round_weights_to) {
+    w = w.to(*o.round_weights_to);
+  } else if (o.round_weights) {
+    w = w.to(x_dtype);
+  }
   return {w.to(o.weights_fp32 ? acc_dtype(x_dtype) : x_dtype), ids};
 }
 
@@ -682,14 +687,15 @@ Tensor experts_forward(const Tensor& x, const Tensor& topk_weights, const Tensor
       double routed_scale, int64_t n_group, int64_t topk_group, bool weights_fp32, c10::string_view activation,  \
       bool gated, bool interleaved, bool transposed, double alpha, double limit, bool weight_on_input,           \
       double renorm_min, int64_t group_top, int64_t identity_experts, int64_t zero_experts, double jitter_eps,  \
-      std::optional<at::ScalarType> round_weights,                                                               \
+      bool round_weights, std::optional<at::ScalarType> round_weights_to,                                        \
       c10::string_view post_norm, double post_norm_eps, double post_norm_offset, const OptTensor &expert_ids,    \
       const OptTensor &expert_scale, const OptTensor &post_norm_weight
 #define MOK_CPU_FORWARD_VALUES                                                                                   \
   hidden_states, router, router_bias, selection_bias, gate_up_proj, gate_up_bias, down_proj, down_bias, top_k,   \
       routing, router_is_logits, router_fp32, softmax_fp32, renormalize, renorm_eps, routed_scale, n_group,      \
       topk_group, weights_fp32, activation, gated, interleaved, transposed, alpha, limit, weight_on_input,       \
-      renorm_min, group_top, identity_experts, zero_experts, jitter_eps, round_weights, post_norm,               \
+      renorm_min, group_top, identity_experts, zero_experts, jitter_eps, round_weights, round_weights_to,        \
+      post_norm,                                                                                                 \
       post_norm_eps,                                                                                             \
       post_norm_offset,                                                                                          \
       expert_ids, expert_scale, post_norm_weight
@@ -699,7 +705,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> forward_impl(MOK_CPU_FORWARD_ARGS, bo
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts, zero_experts, jitter_eps, round_weights, std::string(post_norm), post_norm_eps,
+                     identity_experts, zero_experts, jitter_eps, round_weights, round_weights_to,
+                     std::string(post_norm), post_norm_eps,
                      post_norm_offset};
   TORCH_CHECK(hidden_states.dim() == 2, "mok_cpu.fused_moe: hidden_states must be 2-D [T, H]");
   Tensor x = hidden_states.contiguous();
@@ -736,15 +743,16 @@ BackwardResult fused_moe_backward(
     bool softmax_fp32, bool renormalize, double renorm_eps, double routed_scale, int64_t n_group,
     int64_t topk_group, bool weights_fp32, c10::string_view activation, bool gated, bool interleaved,
     bool transposed, double alpha, double limit, bool weight_on_input, double renorm_min, int64_t group_top,
-    int64_t identity_experts, int64_t zero_experts, double jitter_eps, std::optional<at::ScalarType> round_weights,
-    c10::string_view post_norm,
+    int64_t identity_experts, int64_t zero_experts, double jitter_eps, bool round_weights,
+    std::optional<at::ScalarType> round_weights_to, c10::string_view post_norm,
     double post_norm_eps,
     double post_norm_offset, const OptTensor& gate_up_out, const OptTensor& expert_scale,
     const OptTensor& post_norm_weight) {
   const MoeOptions o{top_k, std::string(routing), router_is_logits, router_fp32, softmax_fp32, renormalize,
                      renorm_eps, routed_scale, n_group, topk_group, weights_fp32, std::string(activation),
                      gated, interleaved, transposed, alpha, limit, weight_on_input, renorm_min, group_top,
-                     identity_experts, zero_experts, jitter_eps, round_weights, std::string(post_norm), post_norm_eps,
+                     identity_experts, zero_experts, jitter_eps, round_weights, round_weights_to,
+                     std::string(post_norm), post_norm_eps,
                      post_norm_offset};
   const Tensor& x = hidden_states;
   TORCH_CHECK(x.dim() == 2, "mok_cpu.fused_moe_backward: hidden_states must be 2-D [T, H]");
@@ -917,7 +925,7 @@ BackwardResult fused_moe_backward(
   "float renorm_eps, float routed_scale, int n_group, int topk_group, bool weights_fp32, str activation, "       \
   "bool gated, bool interleaved, bool transposed, float alpha, float limit, bool weight_on_input, "             \
   "float renorm_min, int group_top, int identity_experts, int zero_experts, float jitter_eps, "                    \
-  "ScalarType? round_weights, "                                                                                  \
+  "bool round_weights, ScalarType? round_weights_to, "                                                            \
   "str post_norm, float post_norm_eps, float post_norm_offset"
 #define MOK_CPU_WEIGHTS                                                                                          \
   "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "      \

@@ -184,7 +184,7 @@ def describe_block(b) -> str:
         r = b.routing
         routing = r.routing
         extras = [name for name, on in (("renorm", r.renormalize), ("logits_kept", r.router_is_logits),
-                                        ("weights_rounded", r.round_weights is not None)) if on]
+                                        ("weights_rounded", r.round_weights or r.round_weights_to is not None)) if on]
         if r.routed_scale != 1.0:
             extras.append(f"scale={r.routed_scale:g}")
         if r.n_group > 1:

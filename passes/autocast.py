@@ -15,7 +15,7 @@ under its autocast and the reference without any, and a block is fused only wher
 under bf16 autocast does. So does an fp32 transformers model: autocast runs its router's linear in bf16, which stays
 in the graph (its logits in another dtype than the op's own), while transformers casts the experts' input back to
 the fp32 weights, and the bf16 routing weights widen again in their product with the experts' rows (the op's
-`round_weights`). Experts whose own GEMMs autocast casts are not fused, and their report says why.
+`round_weights_to`). Experts whose own GEMMs autocast casts are not fused, and their report says why.
 """
 
 from __future__ import annotations

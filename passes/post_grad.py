@@ -8,6 +8,7 @@ Both see the graphs after aot_autograd, forward and backward alike; each leaves 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch.fx as fx
@@ -35,9 +36,14 @@ class MokPostGradPass(CustomGraphPass):
             self.then(graph)
 
     def uuid(self):
-        """Inductor's FX graph cache key: these passes' sources and `consume`, and the user's pass's key (None,
-        which makes inductor skip its cache, where the user's pass has none)."""
-        ours = (get_hash_for_files(_SOURCES), self.consume)
+        """Inductor's FX graph cache key: these passes' sources and `consume`, the mok ops' schemas, and the user's
+        pass's key (None, which makes inductor skip its cache, where the user's pass has none). Inductor's cached
+        code spells out every argument of an op call from its schema: without the schemas in the key, code cached
+        before a schema changed ran on after it (v74: a bool read as a dtype, in an interim schema)."""
+        from mok_compile.ops import library
+
+        schemas = hashlib.sha256("\n".join(library.SCHEMAS).encode()).hexdigest()
+        ours = (get_hash_for_files(_SOURCES), self.consume, schemas)
         if self.then is None:
             return ours
         then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None

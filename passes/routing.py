@@ -292,7 +292,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     trace again, and the pass then sees a constant."""
     stage, renormalize, eps, renorm_min, scale, expert_scale, runtime = 0, False, 0.0, 0.0, 1.0, None, {}
     narrowest = None  # the dtype a cast rounded the weights to
-    round_weights = None  # the 16-bit dtype they were rounded to, then widened again (Ergo: the input dtype)
+    rounded_to = None  # the 16-bit dtype they were rounded to, then widened again (Ergo: the input dtype)
     while True:
         users = [u for u in w.users if u in region.nodes]
         sums = [u for u in users if op_name(u) == "sum"]
@@ -326,10 +326,10 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
                 if after != torch.float32:
                     raise NoMatch(f"the routing weights are rounded to {narrowest} and widened again to {after}: "
                                   "the op rounds weights only to keep them in fp32 (round_weights)")
-                round_weights = narrowest
+                rounded_to = narrowest
             if after != before:  # a cast to the same dtype changes nothing
-                if after.itemsize < before.itemsize and round_weights not in (None, after):
-                    raise NoMatch(f"the routing weights are rounded to {round_weights}, then to {after}: the op "
+                if after.itemsize < before.itemsize and rounded_to not in (None, after):
+                    raise NoMatch(f"the routing weights are rounded to {rounded_to}, then to {after}: the op "
                                   "rounds them once (round_weights)")
                 narrowest = after if after.itemsize < before.itemsize else narrowest
                 stage = 4
@@ -347,16 +347,20 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         raise NoMatch("found no softmax or sigmoid in the router")
     final = tensor_meta(w).dtype
     weights_fp32 = final == torch.float32
-    if round_weights is not None and not weights_fp32:
-        raise NoMatch(f"the routing weights are rounded to {round_weights}, widened, then cast to {final}: the op "
+    if rounded_to is not None and not weights_fp32:
+        raise NoMatch(f"the routing weights are rounded to {rounded_to}, widened, then cast to {final}: the op "
                       "keeps rounded weights in fp32 (round_weights)")
     if final.itemsize == 2 and tensor_meta(region.x).dtype == torch.float32:
         # 16-bit weights on fp32 experts (Qwen's `w.to(logits.dtype)` under bf16 autocast): their product with the
         # experts' fp32 rows widens them again, so the op keeps them fp32, rounded (the probe proves the products)
-        weights_fp32, round_weights = True, final
+        weights_fp32, rounded_to = True, final
+    # Through the input dtype: Ergo's `round_weights` (as before v74); through another one: `round_weights_to`
+    x_rounded = rounded_to == tensor_meta(region.x).dtype
+    round_weights, round_weights_to = x_rounded, None if x_rounded else rounded_to
     spec = RoutingSpec(top_k=region.K, routing=routing, router_fp32=router_fp32, softmax_fp32=softmax_fp32,
                        renormalize=renormalize, renorm_eps=eps, renorm_min=renorm_min, routed_scale=scale,
-                       weights_fp32=weights_fp32, round_weights=round_weights, **groups)
+                       weights_fp32=weights_fp32, round_weights=round_weights, round_weights_to=round_weights_to,
+                       **groups)
     return spec, w, expert_scale, runtime
 
 

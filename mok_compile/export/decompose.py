@@ -120,7 +120,7 @@ def fused_moe_decomposed(hidden_states, router, router_bias, selection_bias, gat
                    routed_scale=kw["routed_scale"], n_group=kw["n_group"], topk_group=kw["topk_group"],
                    weights_fp32=kw["weights_fp32"], renorm_min=kw["renorm_min"], group_top=kw["group_top"],
                    expert_ids=kw.get("expert_ids"), expert_scale=kw.get("expert_scale"), jitter_eps=kw["jitter_eps"],
-                   round_weights=kw["round_weights"])
+                   round_weights=kw["round_weights"], round_weights_to=kw["round_weights_to"])
     weight_on_input = kw["weight_on_input"]
     E = gate_up_proj.shape[0]
     past = kw["identity_experts"] + kw["zero_experts"] > 0  # router choices past the experts

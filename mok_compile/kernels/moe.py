@@ -379,7 +379,7 @@ def _forward(hidden_states, router, router_bias, selection_bias, gate_up_proj, g
         weights_dtype=weights_dtype, dispatch=disp, renorm_min=kw["renorm_min"], group_top=kw["group_top"],
         expert_ids=None if expert_ids is None else expert_ids.contiguous(),
         expert_scale=None if expert_scale is None else expert_scale.contiguous(), jitter_eps=kw["jitter_eps"],
-        round_to=kw["round_weights"])
+        round_to=reference.weights_rounding(x.dtype, kw["round_weights"], kw["round_weights_to"]))
     if T == 0:
         gate_up_cols = gate_up_proj.shape[2] if kw["transposed"] else gate_up_proj.shape[1]
         out = (x.new_empty((0, H)), w, ids)

@@ -330,7 +330,7 @@ def route(logits, selection_bias, *, top_k, routing, softmax_fp32, renormalize, 
     """(topk_weights [T, K], topk_ids [T, K] int64, chunk_counts [n_chunks, BLOCK_E] int32, BLOCK_T).
     `expert_ids` [T, K]: the ids, given (`mok::fused_moe`'s argument), not chosen. `expert_scale` [E]: the
     weights' per-expert factor. `jitter_eps`: the sparsemixer's. `round_to`: a 16-bit dtype the weights are rounded
-    through (`round_weights`), or None.
+    through (`round_weights`, `round_weights_to`), or None.
 
     `dispatch` (a `Dispatch.unsorted` for these T * K pairs): also sort the pairs into it, in this launch where
     one program holds every token (chunk_counts is then None: its one row is `dispatch.bucket_count`), else

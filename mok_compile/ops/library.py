@@ -18,7 +18,10 @@ reads, and the backward autograd runs last (graph not retained) is `mok::fused_m
 which may write dh over that h and then free it.
 New features (shared experts, dense weight-on-input routing, given expert ids, capacity limits)
 are added as trailing keyword arguments with defaults, which keeps old graphs
-and serialized programs valid.
+and serialized programs valid (an argument's type is never changed: code that
+spells out its old value would run against the new type). Inductor's cached
+code spells out every argument, so its cache is keyed on `SCHEMAS`
+(`passes.post_grad`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ _SCALARS = (
     "int n_group=1, int topk_group=1, bool weights_fp32=True, str activation='silu', bool gated=True, "
     "bool interleaved=False, bool transposed=False, float alpha=1.702, float limit=7.0, bool weight_on_input=False, "
     "float renorm_min=0.0, int group_top=2, int identity_experts=0, int zero_experts=0, float jitter_eps=0.0, "
-    "ScalarType? round_weights=None, str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0"
+    "bool round_weights=False, str post_norm='none', float post_norm_eps=1e-06, float post_norm_offset=0.0, "
+    "ScalarType? round_weights_to=None"
 )
 _WEIGHTS = (
     "Tensor router, Tensor? router_bias, Tensor? selection_bias, Tensor gate_up_proj, Tensor? gate_up_bias, "
@@ -102,11 +106,12 @@ FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"{_SAVED_ROUTING}, {_LEARNED_SCHEMA}, Tensor(b!)? post_norm_input=None) -> {_GRADS}"
 )
 
+# Inductor writes every argument of a call into the code it caches, so `passes.post_grad` keys that cache on these.
+SCHEMAS = (FUSED_MOE_SCHEMA, FUSED_MOE_BACKWARD_SCHEMA, FUSED_MOE_TRAIN_SCHEMA, FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
+
 lib = torch.library.Library("mok", "DEF")
-lib.define(FUSED_MOE_SCHEMA)
-lib.define(FUSED_MOE_BACKWARD_SCHEMA)
-lib.define(FUSED_MOE_TRAIN_SCHEMA)
-lib.define(FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
+for _schema in SCHEMAS:
+    lib.define(_schema)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -204,12 +209,14 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"jitter_eps must be a finite number >= 0, got {kw['jitter_eps']}")
     if routing == "sparsemixer" and (selection_bias is not None or kw.get("expert_ids") is not None):
         _fail("routing='sparsemixer' chooses by its own masks: selection_bias and expert_ids must not be set")
-    if kw["round_weights"] is not None:
-        if kw["round_weights"] not in (torch.bfloat16, torch.float16):
-            _fail(f"round_weights must be torch.bfloat16 or torch.float16 (the weights' rounding), got "
-                  f"{kw['round_weights']}")
-        if not kw["weights_fp32"]:
-            _fail("round_weights rounds fp32 weights: it needs weights_fp32=True")
+    if kw["round_weights_to"] is not None:
+        if kw["round_weights_to"] not in (torch.bfloat16, torch.float16):
+            _fail(f"round_weights_to must be torch.bfloat16 or torch.float16 (the weights' rounding), got "
+                  f"{kw['round_weights_to']}")
+        if kw["round_weights"]:
+            _fail("round_weights (through the input dtype) and round_weights_to cannot be combined")
+    if (kw["round_weights"] or kw["round_weights_to"] is not None) and not kw["weights_fp32"]:
+        _fail("round_weights and round_weights_to round fp32 weights: they need weights_fp32=True")
     if kw["group_top"] not in (1, 2):
         _fail(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {kw['group_top']}")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),

@@ -86,6 +86,14 @@ def _grouped_choice(choice, n_group, topk_group, group_top):
     return choice.masked_fill(~score_mask.bool(), float("-inf"))
 
 
+def weights_rounding(x_dtype: torch.dtype, round_weights: bool = False, round_weights_to=None):
+    """The 16-bit dtype fp32 routing weights are rounded through, or None: `round_weights_to`, else the input
+    dtype where `round_weights` is set (Ergo's; a no-op for fp32 and fp64 inputs)."""
+    if round_weights_to is not None:
+        return round_weights_to
+    return x_dtype if round_weights and x_dtype in (torch.bfloat16, torch.float16) else None
+
+
 def routing_weights_dtype(x_dtype: torch.dtype, weights_fp32: bool) -> torch.dtype:
     """dtype of `topk_weights`: fp32 (fp64 for fp64 inputs) when `weights_fp32`, else the input dtype."""
     return _acc_dtype(x_dtype) if weights_fp32 else x_dtype
@@ -141,7 +149,7 @@ def sparsemixer(scores, top_k, jitter_eps):
 
 def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, renormalize,
           renorm_eps, routed_scale, n_group, topk_group, weights_fp32, renorm_min=0.0, group_top=2, expert_ids=None,
-          expert_scale=None, jitter_eps=0.0, round_weights=None):
+          expert_scale=None, jitter_eps=0.0, round_weights=False, round_weights_to=None):
     """(topk_weights, topk_ids) from logits, with HF's precision behaviour. `expert_ids`: the ids, given; the
     weights are the routing's values there (DeepSeek-V4's hash routing: `scores.gather(1, tid2eid[input_ids])`).
     `expert_scale` [E]: each weight times its expert's value, last (Gemma 4's `per_expert_scale`)."""
@@ -149,7 +157,8 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
         w, ids = sparsemixer(_upcast(logits) if softmax_fp32 else logits, top_k, jitter_eps)
         return _finish_weights(w, ids, x_dtype=x_dtype, renormalize=renormalize, renorm_eps=renorm_eps,
                                renorm_min=renorm_min, routed_scale=routed_scale, expert_scale=expert_scale,
-                               weights_fp32=weights_fp32, round_weights=round_weights)
+                               weights_fp32=weights_fp32,
+                               rounding=weights_rounding(x_dtype, round_weights, round_weights_to))
     choice, scores = selection_scores(logits, selection_bias, routing=routing, softmax_fp32=softmax_fp32,
                                       n_group=n_group, topk_group=topk_group, group_top=group_top)
     if expert_ids is not None:
@@ -170,19 +179,20 @@ def route(logits, selection_bias, *, x_dtype, top_k, routing, softmax_fp32, reno
         w = top
     return _finish_weights(w, ids, x_dtype=x_dtype, renormalize=renormalize, renorm_eps=renorm_eps,
                            renorm_min=renorm_min, routed_scale=routed_scale, expert_scale=expert_scale,
-                           weights_fp32=weights_fp32, round_weights=round_weights)
+                           weights_fp32=weights_fp32,
+                           rounding=weights_rounding(x_dtype, round_weights, round_weights_to))
 
 
 def _finish_weights(w, ids, *, x_dtype, renormalize, renorm_eps, renorm_min, routed_scale, expert_scale,
-                    weights_fp32, round_weights=None):
-    """The steps every routing ends with: renormalise, scale, the per-expert scale, the cast (with
-    `round_weights`, through that dtype)."""
+                    weights_fp32, rounding=None):
+    """The steps every routing ends with: renormalise, scale, the per-expert scale, the cast (through
+    `rounding`, a 16-bit dtype, where `weights_rounding` gives one)."""
     w = _renorm_and_scale(w, renormalize=renormalize, renorm_eps=renorm_eps, renorm_min=renorm_min,
                           routed_scale=routed_scale)
     if expert_scale is not None:
         w = w * _expert_scale_at(expert_scale, ids, torch.promote_types(w.dtype, expert_scale.dtype))
-    if round_weights is not None:
-        w = w.to(round_weights)
+    if rounding is not None:
+        w = w.to(rounding)
     w = w.to(routing_weights_dtype(x_dtype, weights_fp32))
     return w, ids
 
@@ -340,8 +350,9 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                         routed_scale=1.0, n_group=1, topk_group=1, weights_fp32=True, activation="silu",
                         gated=True, interleaved=False, transposed=False, alpha=1.702, limit=7.0,
                         weight_on_input=False, renorm_min=0.0, group_top=2, identity_experts=0, zero_experts=0,
-                        jitter_eps=0.0, round_weights=None, post_norm="none", post_norm_eps=1e-6,
-                        post_norm_offset=0.0, expert_ids=None, expert_scale=None, post_norm_weight=None):
+                        jitter_eps=0.0, round_weights=False, post_norm="none", post_norm_eps=1e-6,
+                        post_norm_offset=0.0, round_weights_to=None, expert_ids=None, expert_scale=None,
+                        post_norm_weight=None):
     """Reference forward of `torch.ops.mok.fused_moe` -> (out, topk_weights, topk_ids)."""
     x = hidden_states
     logits = router_logits(x, router, router_bias, router_is_logits=router_is_logits, router_fp32=router_fp32)
@@ -349,7 +360,7 @@ def fused_moe_reference(hidden_states, router, router_bias, selection_bias, gate
                    softmax_fp32=softmax_fp32, renormalize=renormalize, renorm_eps=renorm_eps,
                    routed_scale=routed_scale, n_group=n_group, topk_group=topk_group, weights_fp32=weights_fp32,
                    renorm_min=renorm_min, group_top=group_top, expert_ids=expert_ids, expert_scale=expert_scale,
-                   jitter_eps=jitter_eps, round_weights=round_weights)
+                   jitter_eps=jitter_eps, round_weights=round_weights, round_weights_to=round_weights_to)
     out = experts_reference(x, w, ids, gate_up_proj, gate_up_bias, down_proj, down_bias, activation=activation,
                             gated=gated, interleaved=interleaved, transposed=transposed, alpha=alpha, limit=limit,
                             weight_on_input=weight_on_input, post_norm=post_norm, post_norm_eps=post_norm_eps,
@@ -505,9 +516,9 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
                                  topk_group=1, weights_fp32=True, activation="silu", gated=True, interleaved=False,
                                  transposed=False, alpha=1.702, limit=7.0, weight_on_input=False,
                                  renorm_min=0.0, group_top=2, identity_experts=0, zero_experts=0,
-                                 jitter_eps=0.0, round_weights=None, post_norm="none", post_norm_eps=1e-6,
-                                 post_norm_offset=0.0, gate_up_out=None, router_logits=None, routing_layout=None,
-                                 expert_scale=None, post_norm_weight=None, post_norm_input=None):
+                                 jitter_eps=0.0, round_weights=False, post_norm="none", post_norm_eps=1e-6,
+                                 post_norm_offset=0.0, round_weights_to=None, gate_up_out=None, router_logits=None,
+                                 routing_layout=None, expert_scale=None, post_norm_weight=None, post_norm_input=None):
     """Reference backward of `mok::fused_moe`: recomputes expert activations, fixed summation order
     (`gate_up_out`, `router_logits`, `routing_layout`, `post_norm_input`, what the CUDA kernels' forward saved,
     are not read).
@@ -517,7 +528,7 @@ def fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, rou
     identity_experts: an identity pair adds w * x to the output: d w = <go, x> and d x += w * go.
     zero_experts: a zero pair adds nothing (its row is skipped): d w = 0 there.
     post_norm: a pair adds w * n(y): d w = <go, n(y)>, and d y, d g from `post_norm_backward` of w * go.
-    round_weights: the weights' rounding reads as the identity.
+    round_weights, round_weights_to: the weights' rounding reads as the identity.
 
     Returns (grad_hidden_states, grad_router, grad_router_bias, grad_gate_up_proj, grad_gate_up_bias,
     grad_down_proj, grad_down_bias, grad_expert_scale, grad_post_norm_weight); gradients are None where their

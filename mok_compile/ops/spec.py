@@ -76,12 +76,12 @@ class RoutingSpec:
     weights_fp32: the routing weights stay fp32 (Mixtral, DeepSeek-V3), so the
         weighted sum over the k experts is done in fp32; otherwise they are cast
         to the input dtype first (Qwen, Granite, GPT-OSS).
-    round_weights: a 16-bit dtype or None. With ``weights_fp32``, the weights are
-        rounded to it and kept in fp32: the weighted sum is in fp32 over rounded
-        weights. Ergo's ``w.to(x.dtype).float()`` rounds to the input dtype; a
-        Qwen-style ``w.to(logits.dtype)`` under bf16 autocast, with fp32 experts
-        (whose product widens the weights again), rounds to bf16. The rounding's
-        gradient is the identity.
+    round_weights: with ``weights_fp32``, the weights are rounded to the input
+        dtype and kept in fp32 (Ergo's ``w.to(x.dtype).float()``): the weighted
+        sum is in fp32 over rounded weights. The rounding's gradient is the identity.
+    round_weights_to: the same, to this 16-bit dtype (bf16, fp16; not with
+        ``round_weights``): a Qwen-style ``w.to(logits.dtype)`` under bf16 autocast
+        with fp32 experts, whose product widens the weights again, rounds to bf16.
     renorm_eps: added to the denominator of the renormalisation (DeepSeek: 1e-20).
     n_group, topk_group, group_top: group-limited selection (``softmax_topk``,
         ``sigmoid_grouped_topk`` and ``sqrtsoftplus_topk``): the experts form
@@ -125,7 +125,8 @@ class RoutingSpec:
     identity_experts: int = 0
     zero_experts: int = 0
     jitter_eps: float = 0.0
-    round_weights: torch.dtype | None = None
+    round_weights: bool = False
+    round_weights_to: torch.dtype | None = None
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -149,10 +150,13 @@ class RoutingSpec:
                              "past the experts)")
         if not 0.0 <= self.jitter_eps < float("inf"):
             raise ValueError(f"jitter_eps must be a finite number >= 0, got {self.jitter_eps}")
-        if self.round_weights not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"round_weights must be None, torch.bfloat16 or torch.float16, got {self.round_weights}")
-        if self.round_weights is not None and not self.weights_fp32:
-            raise ValueError("round_weights rounds fp32 weights: it needs weights_fp32=True")
+        if self.round_weights_to not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"round_weights_to must be None, torch.bfloat16 or torch.float16, got "
+                             f"{self.round_weights_to}")
+        if self.round_weights and self.round_weights_to is not None:
+            raise ValueError("round_weights (through the input dtype) and round_weights_to cannot be combined")
+        if (self.round_weights or self.round_weights_to is not None) and not self.weights_fp32:
+            raise ValueError("round_weights and round_weights_to round fp32 weights: they need weights_fp32=True")
 
 
 @dataclass(frozen=True)

@@ -385,7 +385,7 @@ def test_training_checkpointed_on_cuda_with_inductor():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_under_autocast(family, weights):
     """bf16 autocast around a bf16 model, or around an fp32 one (HF Trainer's `bf16=True`: the router's linear in
-    bf16, left in the graph, and the experts in fp32, the op's round_weights): each block fused, the step as eager's
+    bf16, left in the graph, and the experts in fp32, the op's round_weights_to): each block fused, the step as eager's
     under the same autocast."""
     model = tiny_model(family, weights)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -104,7 +104,7 @@ def test_static_shapes_stay_static(mixtral):
     filecheck(text, "CHECK-LABEL: func.func @main(%arg0: !torch.vtensor<[5,32],f32>)")
 
 
-@pytest.mark.parametrize("family, dtype, weights_fp32, weights_type, round_weights", [
+@pytest.mark.parametrize("family, dtype, weights_fp32, weights_type, round_weights_to", [
     ("qwen3_moe", torch.float32, True, "f32", None),
     ("qwen3_moe", torch.bfloat16, False, "bf16", None),
     ("qwen3_moe", torch.bfloat16, True, "f32", None),
@@ -112,10 +112,11 @@ def test_static_shapes_stay_static(mixtral):
     ("llama4", torch.bfloat16, False, "bf16", None),  # routing='topk_sigmoid', weight_on_input=True
     ("qwen3_moe", torch.float32, True, "f32", torch.bfloat16),  # a dtype argument (ScalarType?)
 ])
-def test_abstract_interp_library_refines_erased_result_types(family, dtype, weights_fp32, weights_type, round_weights):
+def test_abstract_interp_library_refines_erased_result_types(family, dtype, weights_fp32, weights_type,
+                                                             round_weights_to):
     """Erase the op's result types; torch-mlir must infer them from our shape/dtype functions alone."""
     moe = FusedMoE(family, dtype=dtype)
-    kw = {**moe.kw, "weights_fp32": weights_fp32, "round_weights": round_weights}
+    kw = {**moe.kw, "weights_fp32": weights_fp32, "round_weights_to": round_weights_to}
 
     def fused_moe(x, router, gate_up_proj, down_proj):
         # Weights as inputs, not literals: a bf16 literal would need the ml_dtypes package.

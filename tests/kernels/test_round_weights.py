@@ -1,7 +1,8 @@
-"""`round_weights` (fp32 routing weights rounded to 16 bits: Ergo's through the input dtype, autocast's bf16 ones on
-fp32 experts) in the Triton routing kernel: the weights are the unrounded kernel's rounded, bit for bit, kept fp32;
-the output is the reference experts' on those weights; the backward is the unrounded one's. Interpreted in fp16 and
-fp32 rounded to fp16 (the interpreter truncates bf16), on the GPU in bf16, fp16 and fp32 rounded to bf16."""
+"""`round_weights` and `round_weights_to` (fp32 routing weights rounded to 16 bits: Ergo's through the input dtype,
+autocast's bf16 ones on fp32 experts) in the Triton routing kernel: the weights are the unrounded kernel's rounded,
+bit for bit, kept fp32; the output is the reference experts' on those weights; the backward is the unrounded one's.
+Interpreted in fp16 and fp32 rounded to fp16 (the interpreter truncates bf16), on the GPU in bf16, fp16 and fp32
+rounded to bf16."""
 
 import pytest
 
@@ -27,8 +28,8 @@ def compare(device, seed):
     for dtype, round_to in dtypes:
         for variant, T in (("deepseek_v3", 19), ("deepseek_v3", 70), ("qwen3", 19)):
             tensors, kw = make_case(variant, T, 64, 32, 8, 2, dtype, device=device, seed=seed + T)
-            kw = dict(kw, weights_fp32=True, round_weights=None)
-            rounded = dict(kw, round_weights=round_to)
+            kw = dict(kw, weights_fp32=True)
+            rounded = dict(kw, round_weights=True) if round_to == dtype else dict(kw, round_weights_to=round_to)
             out, w, ids = moe.fused_moe_forward(*tensors, **rounded)
             _, plain_w, plain_ids = moe.fused_moe_forward(*tensors, **kw)
             names = ("activation", "gated", "interleaved", "transposed", "alpha", "limit")

@@ -62,13 +62,13 @@ def test_an_fp32_transformers_block_under_autocast_is_fused_with_its_router_left
     """fp32 weights under bf16 autocast (HF Trainer's `bf16=True`): autocast runs the router's linear in bf16, while
     transformers casts the experts' input back to the fp32 weights and weighs their fp32 rows by bf16 routing
     weights. The linear stays in the graph (its logits in another dtype than the op's own) and the op takes its
-    logits; the weights are rounded to bf16 and kept in fp32 (round_weights)."""
+    logits; the weights are rounded to bf16 and kept in fp32 (round_weights_to)."""
     block = make_block("qwen3_moe")
     x = torch.randn(2, 6, block.gate.weight.shape[1])
     gm, _, report, got, eager = _fuse_under(block, x, torch.autocast("cpu", dtype=torch.bfloat16))
     assert count_fused(gm) == 1, str(report)
     r = report.fused[0].routing
-    assert (r.router_is_logits, r.weights_fp32, r.round_weights) == (True, True, torch.bfloat16)
+    assert (r.router_is_logits, r.weights_fp32, r.round_weights_to) == (True, True, torch.bfloat16)
     (op,) = [n for n in gm.graph.nodes if n.op == "call_function" and "mok" in str(n.target)]
     logits = op.args[1]
     assert op_name(logits) == "linear" and tensor_meta(logits).dtype == torch.bfloat16

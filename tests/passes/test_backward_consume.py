@@ -150,6 +150,20 @@ def test_pass_chains_the_users_pass_and_its_cache_key():
     assert MokPostGradPass().uuid() != MokPostGradPass(consume=False).uuid()  # inductor caches each apart
 
 
+def test_the_cache_key_follows_the_ops_schemas(monkeypatch):
+    """Inductor's cached code spells out every argument of a mok op call from the op's schema: code cached under
+    another schema must not be found (v74's demo ran code cached under an interim schema, whose `round_weights` was
+    a dtype, against the bool, and failed)."""
+    from mok_compile.ops import library
+
+    before = MokPostGradPass().uuid()
+    changed = (library.SCHEMAS[0].replace("bool round_weights=False", "ScalarType? round_weights=None"),
+               *library.SCHEMAS[1:])
+    assert changed != library.SCHEMAS
+    monkeypatch.setattr(library, "SCHEMAS", changed)
+    assert MokPostGradPass().uuid() != before
+
+
 def test_installed_for_graphs_that_call_the_op_directly_or_through_the_rewrite():
     """The backend installs the pass where the Dynamo graph holds mok.fused_moe: a user's own call (Dynamo
     records the packet) as well as the rewrite's (the overload); not for graphs without it."""

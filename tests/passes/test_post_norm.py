@@ -193,7 +193,7 @@ def test_ergo_bf16_block_fused_with_rounded_weights(impl):
     report = fuse_moe(gm, example)
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     r = report.blocks[0].routing
-    assert (r.weights_fp32, r.round_weights) == (True, torch.bfloat16)
+    assert (r.weights_fp32, r.round_weights, r.round_weights_to) == (True, True, None)
     assert "weights_rounded" in describe_block(report.blocks[0])
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL[torch.bfloat16])
 
@@ -211,8 +211,8 @@ def test_ergo_bf16_block_fused_with_rounded_weights(impl):
 
     with torch.no_grad():
         want = block.experts(x, *reversed(block.gate(x)[1:]))
-        assert torch.equal(op_output(True, torch.bfloat16), want)
-        assert not torch.equal(op_output(True, None), want)
+        assert torch.equal(op_output(True, True), want)
+        assert not torch.equal(op_output(True, False), want)
         assert not torch.equal(op_output(False, False), want)
 
 
