@@ -323,9 +323,9 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
         elif name in CAST_OPS and u.args[0] is w:
             before, after = tensor_meta(w).dtype, tensor_meta(u).dtype
             if after.itemsize > before.itemsize and narrowest is not None:
-                if after != torch.float32:
+                if after != torch.float32 or narrowest not in (torch.bfloat16, torch.float16):
                     raise NoMatch(f"the routing weights are rounded to {narrowest} and widened again to {after}: "
-                                  "the op rounds weights only to keep them in fp32 (round_weights)")
+                                  "the op rounds weights only to 16 bits, to keep them in fp32 (round_weights)")
                 rounded_to = narrowest
             if after != before:  # a cast to the same dtype changes nothing
                 if after.itemsize < before.itemsize and rounded_to not in (None, after):
@@ -350,7 +350,7 @@ def _weight_chain(region: Region, w: fx.Node, routing, softmax_fp32, router_fp32
     if rounded_to is not None and not weights_fp32:
         raise NoMatch(f"the routing weights are rounded to {rounded_to}, widened, then cast to {final}: the op "
                       "keeps rounded weights in fp32 (round_weights)")
-    if final.itemsize == 2 and tensor_meta(region.x).dtype == torch.float32:
+    if final in (torch.bfloat16, torch.float16) and tensor_meta(region.x).dtype == torch.float32:
         # 16-bit weights on fp32 experts (Qwen's `w.to(logits.dtype)` under bf16 autocast): their product with the
         # experts' fp32 rows widens them again, so the op keeps them fp32, rounded (the probe proves the products)
         weights_fp32, rounded_to = True, final
