@@ -26,12 +26,14 @@ code spells out every argument, so its cache is keyed on `SCHEMAS`
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 
 import torch
 
 from . import reference
-from .spec import GROUPED_ROUTINGS, ROUTINGS, ExpertSpec, with_defaults
+from .spec import GROUPED_ROUTINGS, ROUTINGS, ExpertSpec, weights_rounding_error, with_defaults
 
 _SCALARS = (
     "int top_k, str routing='softmax_topk', bool router_is_logits=False, bool router_fp32=False, "
@@ -209,14 +211,9 @@ def check_inputs(hidden_states, router, router_bias, selection_bias, gate_up_pro
         _fail(f"jitter_eps must be a finite number >= 0, got {kw['jitter_eps']}")
     if routing == "sparsemixer" and (selection_bias is not None or kw.get("expert_ids") is not None):
         _fail("routing='sparsemixer' chooses by its own masks: selection_bias and expert_ids must not be set")
-    if kw["round_weights_to"] is not None:
-        if kw["round_weights_to"] not in (torch.bfloat16, torch.float16):
-            _fail(f"round_weights_to must be torch.bfloat16 or torch.float16 (the weights' rounding), got "
-                  f"{kw['round_weights_to']}")
-        if kw["round_weights"]:
-            _fail("round_weights (through the input dtype) and round_weights_to cannot be combined")
-    if (kw["round_weights"] or kw["round_weights_to"] is not None) and not kw["weights_fp32"]:
-        _fail("round_weights and round_weights_to round fp32 weights: they need weights_fp32=True")
+    rounding_error = weights_rounding_error(kw["round_weights"], kw["round_weights_to"], kw["weights_fp32"])
+    if rounding_error:
+        _fail(rounding_error)
     if kw["group_top"] not in (1, 2):
         _fail(f"group_top must be 1 (group max) or 2 (sum of the top 2), got {kw['group_top']}")
     for name, t in (("router", router), ("router_bias", router_bias), ("selection_bias", selection_bias),
@@ -449,9 +446,9 @@ _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _BACKEND_KERNELS = {}  # (op, raw keyset below autograd) -> the Python kernel the dispatcher would call
 _FALLTHROUGH = torch._C.DispatchKeySet(torch._C.DispatchKey.BackendSelect) | torch._C.DispatchKeySet(
     torch._C.DispatchKey.ADInplaceOrView)  # keys no mok op has a kernel for: the dispatcher passes them by
-_AUTOCAST_KEYS = ("AutocastCPU", "AutocastCUDA")
-_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.AutocastCUDA)  # excluded around the op's kernels (see autocast, below)
+_AUTOCAST_KEYS = ("AutocastCPU", "AutocastCUDA")  # excluded around the op's kernels (see autocast, below)
+_AUTOCAST = functools.reduce(operator.or_, (torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+                                            for key in _AUTOCAST_KEYS))
 
 
 def register_backend_kernel(op, key: str, kernel):

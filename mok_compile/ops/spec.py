@@ -150,13 +150,21 @@ class RoutingSpec:
                              "past the experts)")
         if not 0.0 <= self.jitter_eps < float("inf"):
             raise ValueError(f"jitter_eps must be a finite number >= 0, got {self.jitter_eps}")
-        if self.round_weights_to not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"round_weights_to must be None, torch.bfloat16 or torch.float16, got "
-                             f"{self.round_weights_to}")
-        if self.round_weights and self.round_weights_to is not None:
-            raise ValueError("round_weights (through the input dtype) and round_weights_to cannot be combined")
-        if (self.round_weights or self.round_weights_to is not None) and not self.weights_fp32:
-            raise ValueError("round_weights and round_weights_to round fp32 weights: they need weights_fp32=True")
+        error = weights_rounding_error(self.round_weights, self.round_weights_to, self.weights_fp32)
+        if error:
+            raise ValueError(error)
+
+
+def weights_rounding_error(round_weights: bool, round_weights_to, weights_fp32: bool) -> str | None:
+    """What is wrong with the weights' rounding arguments, or None: checked by `RoutingSpec` and by the op."""
+    if round_weights_to not in (None, torch.bfloat16, torch.float16):
+        return (f"round_weights_to must be torch.bfloat16 or torch.float16 (the weights' rounding) or None, got "
+                f"{round_weights_to}")
+    if round_weights and round_weights_to is not None:
+        return "round_weights (through the input dtype) and round_weights_to cannot be combined"
+    if (round_weights or round_weights_to is not None) and not weights_fp32:
+        return "round_weights and round_weights_to round fp32 weights: they need weights_fp32=True"
+    return None
 
 
 @dataclass(frozen=True)
