@@ -57,6 +57,9 @@ _DEFAULTS = {
 }
 _DEFAULTS["dgrad"] = _DEFAULTS["down"]
 _DEFAULTS["bwd_g2"] = _DEFAULTS["down"]
+# fp32 without tuned entries (a GPU of another architecture): small tiles, sized when fp32 ran on Triton's FMA dot.
+# On Hopper the tuned fp32 entries (`tune --dtype fp32`, for the tf32x3 dot) take 64- and 128-row tiles: an fp32
+# layer ran 1.5-1.7x faster with them than with these (NOTES v75).
 _FP32_GEMM = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2)
 _FP32_DEFAULT = {
     **dict.fromkeys(("gate_up", "down", "dgrad", "bwd_g2"), _FP32_GEMM),
@@ -148,11 +151,17 @@ def half_tail(block_m: int) -> bool:
     return block_m // 2 >= 16 if forced == "1" else block_m >= 128
 
 
+def dtype_key(dtype: torch.dtype) -> str:
+    """A table key's dtype part: "fp32", else "16bit" (bf16 and fp16 share tiles: same bytes, same tensor-core
+    rate)."""
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
 def _config(kernel, dtype, rows_per_expert, device):
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(_INTERPRET[kernel])
     b = bucket(rows_per_expert)
-    dname = "fp32" if dtype == torch.float32 else "16bit"
+    dname = dtype_key(dtype)
     table = _table(device)
     tuned = table.get(f"{kernel}/{dname}/{b}")
     if tuned is None and b in _FALLBACK:

@@ -1,14 +1,18 @@
 """Pick block sizes for the grouped kernels by timing candidates; writes the `configs.json` format.
 
-    python -m mok_compile.kernels.tune --out DIR [--jobs 16] [--kernels gate_up,down] [--buckets m256]
+    python -m mok_compile.kernels.tune --out DIR [--jobs 16] [--kernels gate_up,down] [--buckets m256] [--dtype fp32]
 
 Times each kernel (gate_up, down, bwd_g2, bwd_gate_up, dgrad, wgrad) alone, on the routing of real
 layer sizes, for a few candidate configs per row-count bucket, and keeps the fastest. Candidates are
 first compiled in parallel worker processes (Triton's on-disk cache), then timed one at a time in
 this process so that timings never overlap. Run on the target GPU; commit the JSON as data.
-With --kernels / --buckets only those entries are timed (and written): merge them by hand. The kernels are timed
+With --kernels / --buckets only those entries are timed (and written); `--merge` writes them into the committed
+table, under the table the GPU reads (`merge`). The kernels are timed
 alone on this module's routing, which is not a real layer's: check a new table against the old one in the layer
 with `python -m benchmarks.configs_ab OLD.json NEW.json` before committing it (NOTES v23 (1)).
+`--dtype fp32` tunes the fp32 entries (`kernel/fp32/bucket`: fp32 operands, the GEMMs' dot as the op runs it,
+`moe._precision`) from candidates of their own: fp32 tiles take twice the shared memory of 16-bit ones at the same
+size, and the tf32x3 dot (three tensor-core products) wants tiles as wide as the 16-bit GEMMs', not the FMA dot's.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
+
+from .configs import dtype_key
 
 # (H, I, E, K, T): one tuning shape per bucket of rows per expert (T*K/E).
 TUNE_SHAPES = [
@@ -41,11 +47,14 @@ def _wg(bp, bq, br, w, s):
 
 
 KERNELS = ("gate_up", "down", "bwd_g2", "bwd_gate_up", "dgrad", "wgrad")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def candidates(kernel, bucket):
+def candidates(kernel, bucket, dtype=torch.bfloat16):
     """A few configs per kernel and bucket (gated kernels' B tile is 2 * BLOCK_N wide); the grouped
-    GEMMs' also with `TMA` (configs.config)."""
+    GEMMs' also with `TMA` (configs.config). fp32: `_fp32_candidates`."""
+    if dtype == torch.float32:
+        return _fp32_candidates(kernel, bucket)
     small = bucket in ("m4", "m16", "m64")
     gated = kernel in ("gate_up", "bwd_gate_up")
     if kernel == "wgrad":
@@ -90,12 +99,40 @@ def candidates(kernel, bucket):
     return unique
 
 
+def _fp32_candidates(kernel, bucket):
+    """fp32 configs: BLOCK_K 32 (a 128-byte row, as 16-bit's 64), no TMA (the kernels' descriptors take 16-bit
+    weights only), and the untuned default (`configs._FP32_DEFAULT`, sized for the FMA dot) among them, so that a
+    tuned entry is never slower alone than what it replaces. Hopper's tf32 wgmma is 64 rows tall: BLOCK_M >= 64
+    where the rows allow it."""
+    from .configs import _FP32_DEFAULT
+
+    small = bucket in ("m4", "m16", "m64")
+    if kernel == "wgrad":
+        c = [_wg(64, 64, 32, 4, 3), _wg(128, 64, 32, 4, 3), _wg(64, 128, 32, 4, 3), _wg(128, 128, 32, 8, 3),
+             _wg(128, 128, 32, 8, 2), _wg(128, 64, 32, 8, 3)]
+    elif kernel == "bwd_gate_up":  # holds more tiles than the forward's (x, h, dh and the weights' gate and up)
+        c = [_mm(64, 32, 32, 4, 3), _mm(64, 64, 32, 4, 3), _mm(128, 32, 32, 8, 3), _mm(128, 64, 32, 8, 3),
+             _mm(64, 64, 32, 4, 2)]
+    elif small:
+        c = [_mm(16, 64, 32, 4, 3), _mm(32, 64, 32, 4, 3), _mm(32, 128, 32, 4, 3), _mm(64, 64, 32, 4, 3),
+             _mm(64, 128, 32, 4, 3)]
+        if bucket == "m64":
+            c += [_mm(128, 64, 32, 8, 3), _mm(128, 128, 32, 8, 3)]
+    else:
+        c = [_mm(128, 128, 32, 8, 3), _mm(128, 64, 32, 8, 3), _mm(128, 64, 32, 4, 3), _mm(64, 128, 32, 4, 3),
+             _mm(64, 64, 32, 4, 3), _mm(128, 128, 32, 8, 2), _mm(64, 128, 32, 8, 3)]
+        if kernel not in ("gate_up", "bwd_gate_up"):  # the gated B tile is already 2 * BLOCK_N wide
+            c += [_mm(128, 256, 32, 8, 2)]
+    default = dict(_FP32_DEFAULT[kernel])
+    return c if default in c else [default] + c
+
+
 class _Problem:
     """Random layer + real routing at one shape; `launch(kernel, cfg)` runs one kernel. `routing`: (x [T, H],
     topk_weights, topk_ids) to use instead of routing random tokens through a random router (e.g.
     `benchmarks.moe_layer.layer_routing`: a real block's routing, which can be far less even)."""
 
-    def __init__(self, H, I, E, K, T, routing=None):
+    def __init__(self, H, I, E, K, T, routing=None, dtype=torch.bfloat16):
         from . import moe
         from .dispatch import Dispatch
         from .routing import route
@@ -104,8 +141,10 @@ class _Problem:
             raise ValueError(f"_Problem: routing x, weights, ids of shapes {[tuple(t.shape) for t in routing]} do not "
                              f"fit T={T}, H={H}, K={K}")
         torch.manual_seed(0)
-        dev, dt = "cuda", torch.bfloat16
+        dev, dt = "cuda", dtype
+        self.precision = moe._precision(dt)
         self.moe, self.H, self.I, self.E, self.K, self.T = moe, H, I, E, K, T
+        self.shape = (H, I, E, K, T)
         self.x = torch.randn(T, H, device=dev, dtype=dt)
         self.go = torch.randn(T, H, device=dev, dtype=dt)
         self.w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * 0.02
@@ -129,26 +168,26 @@ class _Problem:
         self.kw = dict(alpha=1.702, limit=7.0)
 
     def launch(self, kernel, cfg):
-        m = self.moe
+        m, prec = self.moe, self.precision
         H, I, E, K = self.H, self.I, self.E, self.K
         if kernel == "gate_up":
             m._gemm(self.x, self.disp, self.w1, m._gate_up_strides(self.w1, False), None, self.act, n=I, kd=H,
-                    gather=True, gated=True, act=1, col_mul=1, up_off=I, kw=self.kw, cfg=cfg, precision="ieee")
+                    gather=True, gated=True, act=1, col_mul=1, up_off=I, kw=self.kw, cfg=cfg, precision=prec)
         elif kernel == "down":
             m._gemm(self.act, self.disp, self.w2, m._down_strides(self.w2, False), None, self.out_h, n=H, kd=I,
-                    gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision="ieee")
+                    gather=False, gated=False, act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision=prec)
         elif kernel == "dgrad":
             k_, n_ = m._gate_up_strides(self.w1, False)
             m._gemm(self.dh, self.disp, self.w1, (n_, k_), None, self.out_h, n=H, kd=2 * I, gather=False,
-                    gated=False, act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision="ieee")
+                    gated=False, act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision=prec)
         elif kernel == "wgrad":  # the larger of the two: dW1
             d = torch.empty_like(self.w1)
             m._wgrad(self.dh, self.x, self.disp, None, d, None, P=2 * I, Q=H, p_gather=False, q_gather=True,
-                     strides_pq=m._gate_up_strides(d, False)[::-1], cfg=cfg, precision="ieee")
+                     strides_pq=m._gate_up_strides(d, False)[::-1], cfg=cfg, precision=prec)
         elif kernel == "bwd_g2":
             w2i, w2h = m._down_strides(self.w2, False)
             m._gemm(self.go, self.disp, self.w2, (w2h, w2i), None, self.act, n=I, kd=H, gather=True, gated=False,
-                    act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision="ieee")
+                    act=0, col_mul=1, up_off=0, kw=self.kw, cfg=cfg, precision=prec)
         elif kernel == "bwd_gate_up":
             import triton
 
@@ -162,8 +201,8 @@ class _Problem:
             _gate_up_bwd_kernel[grid](
                 self.x, self.disp.sorted_pair, self.w.reshape(-1), self.w1, self.x, self.act, self.dh, self.act2,
                 parts, self.disp.block_table(cfg["BLOCK_M"]), I, H, E, TK, H, self.w1.stride(0), w1k, w1n,
-                0, I, 2 * I, I, 1, I, 1.702, 7.0, TOPK=K, GATED=True, INTERLEAVED=False, ACT=1, HAS_BIAS=False, PRECISION="ieee",
-                **cfg)
+                0, I, 2 * I, I, 1, I, 1.702, 7.0, TOPK=K, GATED=True, INTERLEAVED=False, ACT=1, HAS_BIAS=False,
+                PRECISION=prec, **cfg)
 
 
 def _bucket_of(shape) -> str:
@@ -183,13 +222,22 @@ def _jobs(kernels=KERNELS, buckets=None):
             yield shape, b, kernel
 
 
-def _compile_worker(shape_part, kernels=KERNELS, parts=1):
+def _compile_shape(shape):
+    """A smaller problem that compiles the same kernels as `shape` (fills the same cache entries): Triton specialises
+    integer arguments only on being 1 or a multiple of 16, which fewer tokens (at most 1024) and experts (16 for a
+    multiple of 16, else 2) keep. Several workers per shape at full size ran an H100 out of memory (fp32 tuning:
+    ~18 GB a worker at Mixtral's T=16384)."""
+    H, I, E, K, T = shape
+    return H, I, E if E == 1 else (16 if E % 16 == 0 else 2), K, T if T % 16 else min(T, 1024)
+
+
+def _compile_worker(shape_part, kernels=KERNELS, parts=1, dtype=torch.bfloat16):
     """Run every `parts`-th candidate at `shape`, from the `part`-th on, once (fills Triton's cache);
     failures are timed out later."""
     shape, part = shape_part
-    p = _Problem(*shape)
+    p = _Problem(*_compile_shape(shape), dtype=dtype)
     b = _bucket_of(shape)
-    todo = [(kernel, cfg) for kernel in kernels for cfg in candidates(kernel, b)]
+    todo = [(kernel, cfg) for kernel in kernels for cfg in candidates(kernel, b, dtype)]
     for kernel, cfg in todo[part::parts]:
         try:
             p.launch(kernel, cfg)
@@ -197,6 +245,31 @@ def _compile_worker(shape_part, kernels=KERNELS, parts=1):
             pass
     torch.cuda.synchronize()
     return shape
+
+
+def _write(out, best, results):
+    with open(os.path.join(out, "configs.json"), "w") as f:
+        json.dump({torch.cuda.get_device_name(): best}, f, indent=1, sort_keys=True)
+    with open(os.path.join(out, "tune_results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def merge(path, entries):
+    """Write `entries` into the table file at `path` (the committed `configs.json` format) under the table this GPU
+    reads (`configs._table`): its own where the file has one, else its compute capability's (an H100 tunes into the
+    H200's table, whose other entries it already takes); returns that table's name."""
+    from .configs import _TABLE_CAPABILITY, capability
+
+    with open(path) as f:
+        tables = json.load(f)
+    name = torch.cuda.get_device_name()
+    if name not in tables:
+        cap = capability(torch.device("cuda", torch.cuda.current_device()))
+        name = next((n for n, c in _TABLE_CAPABILITY.items() if c == cap and n in tables), name)
+    tables.setdefault(name, {}).update(entries)
+    with open(path, "w") as f:
+        json.dump(tables, f, indent=1, sort_keys=True)
+    return name
 
 
 def main():
@@ -207,7 +280,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=5)
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
     ap.add_argument("--buckets", default=None, help="comma-separated buckets (m4,m16,m64,m256,m1024,mbig); default all")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                    help="the operands' dtype: bf16 tunes the 16-bit entries, fp32 the fp32 ones")
+    ap.add_argument("--merge", action="store_true",
+                    help="also write the entries into the committed table (configs.json), under the table this GPU "
+                         "reads; check it in the layer (benchmarks.configs_ab) before committing")
     args = ap.parse_args()
+    dtype = DTYPES[args.dtype]
     kernels = tuple(args.kernels.split(","))
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -224,15 +303,17 @@ def main():
     # most of the GPU host's cores idle while a shape's ~15 candidates compiled one after another.
     parts = max(1, args.jobs // len(shapes))
     with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-        list(pool.map(functools.partial(_compile_worker, kernels=kernels, parts=parts),
+        list(pool.map(functools.partial(_compile_worker, kernels=kernels, parts=parts, dtype=dtype),
                       [(shape, part) for shape in shapes for part in range(parts)]))
     results, best = [], {}
-    problems = {}
-    for shape, b, kernel in jobs:
-        p = problems.setdefault(shape, _Problem(*shape))
+    p = None
+    for shape, b, kernel in jobs:  # in shape order: one shape's problem in memory at a time
+        if p is None or p.shape != shape:
+            p = None  # frees the last shape's tensors first
+            p = _Problem(*shape, dtype=dtype)
         # Two passes, the second in reverse order, keeping each candidate's faster time: on an H200 the same
         # config timed late in a pass read 8-19% slower than early in it (clocks under sustained load).
-        cands, ms = candidates(kernel, b), {}
+        cands, ms = candidates(kernel, b, dtype), {}
         for i in list(range(len(cands))) + list(reversed(range(len(cands)))):
             if ms.get(i, 0.0) is None:
                 continue
@@ -247,14 +328,14 @@ def main():
         timed = [(t, cands[i]) for i, t in ms.items() if t is not None]
         results += [dict(shape=shape, bucket=b, kernel=kernel, cfg=cfg, ms=t) for t, cfg in timed]
         if timed:
-            best[f"{kernel}/16bit/{b}"] = min(timed, key=lambda t: t[0])[1]
-    device = torch.cuda.get_device_name()
-    with open(os.path.join(args.out, "configs.json"), "w") as f:
-        json.dump({device: best}, f, indent=1, sort_keys=True)
-    with open(os.path.join(args.out, "tune_results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+            best[f"{kernel}/{dtype_key(dtype)}/{b}"] = min(timed, key=lambda t: t[0])[1]
+        _write(args.out, best, results)  # after every entry: a run cut short keeps what it timed
     for k, v in sorted(best.items()):
         print(k, v)
+    if args.merge and best:
+        from .configs import _JSON
+
+        print(f"merged {len(best)} entries into {_JSON} under {merge(_JSON, best)!r}")
 
 
 if __name__ == "__main__":
