@@ -87,3 +87,12 @@ def _reset_dynamo():
     torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def no_tf32():
+    """torch's matmul TF32 switch off for the test (the default; a test may turn it on), restored after."""
+    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    matmul.allow_tf32 = False
+    yield matmul
+    matmul.allow_tf32 = before

@@ -100,11 +100,17 @@ _TABLE_CAPABILITY = {"NVIDIA H200": (9, 0)}
 def _table(device: torch.device) -> dict:
     """The tuned entries for `device`: its own table, else one of a GPU of the same compute capability."""
     tuned = _tuned()
-    own = tuned.get(_device_name(device))
-    if own is not None or device.type != "cuda":
-        return own or {}
+    return tuned.get(table_name(tuned, device)) or {}
+
+
+def table_name(tables: dict, device: torch.device) -> str | None:
+    """The name of the table in `tables` (device name -> entries) that `device` reads: its own where there is one,
+    else that of a GPU of its compute capability, else None (the tuner's `merge` writes into the same one)."""
+    name = _device_name(device)
+    if name in tables or device.type != "cuda":
+        return name
     cap = capability(device)
-    return next((tuned[name] for name, c in _TABLE_CAPABILITY.items() if c == cap and name in tuned), {})
+    return next((n for n, c in _TABLE_CAPABILITY.items() if c == cap and n in tables), None)
 
 
 @functools.cache

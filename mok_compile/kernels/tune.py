@@ -258,14 +258,12 @@ def merge(path, entries):
     """Write `entries` into the table file at `path` (the committed `configs.json` format) under the table this GPU
     reads (`configs._table`): its own where the file has one, else its compute capability's (an H100 tunes into the
     H200's table, whose other entries it already takes); returns that table's name."""
-    from .configs import _TABLE_CAPABILITY, capability
+    from .configs import _device_name, table_name
 
     with open(path) as f:
         tables = json.load(f)
-    name = torch.cuda.get_device_name()
-    if name not in tables:
-        cap = capability(torch.device("cuda", torch.cuda.current_device()))
-        name = next((n for n, c in _TABLE_CAPABILITY.items() if c == cap and n in tables), name)
+    device = torch.device("cuda", torch.cuda.current_device())
+    name = table_name(tables, device) or _device_name(device)
     tables.setdefault(name, {}).update(entries)
     with open(path, "w") as f:
         json.dump(tables, f, indent=1, sort_keys=True)

@@ -89,13 +89,11 @@ def test_tuner_merges_into_the_table_the_gpu_reads(monkeypatch, tmp_path):
     old = {"down/16bit/m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
     path.write_text(json.dumps({"NVIDIA H200": old}))
     new = {"down/fp32/m256": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3)}
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    gpu_like(monkeypatch, "NVIDIA H100 80GB HBM3", (9, 0))
     assert tune.merge(path, new) == "NVIDIA H200"
     assert json.loads(path.read_text()) == {"NVIDIA H200": {**old, **new}}
-    monkeypatch.setattr(configs, "capability", lambda device: (8, 0))  # an A100: a table of its own
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    gpu_like(monkeypatch, "NVIDIA A100-SXM4-80GB", (8, 0))  # another architecture: a table of its own
     assert tune.merge(path, new) == "NVIDIA A100-SXM4-80GB"
     assert json.loads(path.read_text()) == {"NVIDIA H200": {**old, **new}, "NVIDIA A100-SXM4-80GB": new}
 

@@ -12,14 +12,6 @@ pytest.importorskip("triton")
 from mok_compile.kernels import moe, plan  # noqa: E402
 
 
-@pytest.fixture
-def no_tf32():
-    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
-    matmul.allow_tf32 = False
-    yield matmul
-    matmul.allow_tf32 = before
-
-
 def test_fp32_is_tf32x3_by_default(no_tf32, monkeypatch):
     monkeypatch.delenv("MOK_FP32_DOT", raising=False)
     assert moe._precision(torch.float32) == "tf32x3"

@@ -17,14 +17,6 @@ BUCKET_TOKENS = {"m16": 40, "m64": 200, "m256": 800, "m1024": 3200, "mbig": 6000
 GRAD_NAMES = ("dx", "drouter", "drouter_bias", "dw1", "db1", "dw2", "db2")
 
 
-@pytest.fixture
-def no_tf32():
-    matmul, before = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
-    matmul.allow_tf32 = False
-    yield
-    matmul.allow_tf32 = before
-
-
 def _errors(tensors, kw, seed):
     """Relative errors of the op's output and gradients against fp64 on the op's routing."""
     out, w, ids = torch.ops.mok.fused_moe(*tensors, **kw)
