@@ -38,12 +38,10 @@ _state: dict = {}  # "module": the loaded extension, or "error": why it is not; 
 
 def _load():
     """Build (or find built) and import the extension."""
-    from torch.utils import cpp_extension
-
     from ..ops import cpu
 
-    return cpp_extension.load(name=EXTENSION_NAME, sources=[str(cpu.source_path(_SOURCE_NAME))], extra_cflags=["-O2"],
-                              build_directory=cpu.build_directory(EXTENSION_NAME), verbose=False)
+    return cpu.load_extension(EXTENSION_NAME, sources=[str(cpu.source_path(_SOURCE_NAME))], extra_cflags=["-O2"],
+                              verbose=False)
 
 
 def _build():

@@ -20,6 +20,11 @@ import threading
 import warnings
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not guarded against a dead build's lock
+    fcntl = None
+
 import torch
 
 from . import library, reference
@@ -67,18 +72,41 @@ def build_directory(name: str) -> str | None:
     return build_dir
 
 
-def _build_and_load() -> None:
-    """Compile (or reuse the cached build of) the C++ kernel and load it into this process."""
+def load_extension(name: str, **kwargs):
+    """`torch.utils.cpp_extension.load` of extension `name` in its build directory (`build_directory`), safe
+    against a build that died.
+
+    torch's build lock is a plain file, `<build directory>/lock`, that a build removes when it ends. A build that
+    was killed (a cancelled job, a timeout) leaves it behind, and every later load of that directory waits for it
+    forever: a hang at the first CPU call of the op. So every build here first takes an OS lock on
+    `<build directory>/mok.lock`, which the kernel releases when its holder dies: a `lock` file found while holding
+    it is a dead build's, and is removed (ninja finishes that build)."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(
-        name=EXTENSION_NAME,
+    build_dir = build_directory(name)
+    if build_dir is None and hasattr(cpp_extension, "_get_build_directory"):
+        build_dir = cpp_extension._get_build_directory(name, verbose=False)  # torch's own choice, made if missing
+    if fcntl is None or build_dir is None:
+        return cpp_extension.load(name=name, build_directory=build_dir, **kwargs)
+    with open(os.path.join(build_dir, "mok.lock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build; released at close or when this process dies
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            warnings.warn(f"mok_compile: removed {stale}, left by a build of {name} that did not finish",
+                          RuntimeWarning, stacklevel=2)
+            os.remove(stale)
+        return cpp_extension.load(name=name, build_directory=build_dir, **kwargs)
+
+
+def _build_and_load() -> None:
+    """Compile (or reuse the cached build of) the C++ kernel and load it into this process."""
+    load_extension(
+        EXTENSION_NAME,
         sources=[str(source_path())],
         # -fopenmp: at::parallel_for is a header template that runs serially without it.
         # The process already holds torch's libgomp, so no second OpenMP runtime is loaded.
         extra_cflags=["-O2", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
-        build_directory=build_directory(EXTENSION_NAME),
         is_python_module=False,
         verbose=False,
     )
