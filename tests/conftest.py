@@ -63,15 +63,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the Triton interpreter's kernel runner (~10 minutes on the 2-core CI machine) in the background as
-    soon as its tests are selected, so that it runs beside the tests before them; not in an xdist worker, which
-    cannot know whether it will get them (they then run it when they start, as before)."""
+    """Queue the selected tests' interpreted runs (marked with `interpreted.background`: the Triton interpreter's
+    kernel runner, ~10 minutes on the 2-core CI machine, and the other kernels' CPU checks) to run in the
+    background, one after another, beside the tests before them; not in an xdist worker, which cannot know whether
+    it will get those tests (they then run theirs when they start)."""
     if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if any(item.path.name == "test_triton_interpret.py" for item in session.items):
+    argvs = [mark.args[0] for item in session.items for mark in item.iter_markers("interpreted")]
+    if argvs:
         from tests.kernels import interpreted
 
-        interpreted.start_interpreted(interpreted.KERNEL_RUNNER)
+        interpreted.run_in_background(argvs)
 
 
 def pytest_sessionfinish(session):

@@ -5,7 +5,7 @@ casts truncate) and on the GPU."""
 
 import pytest
 
-from tests.kernels.interpreted import run_compare
+from tests.kernels.interpreted import background, compare_argv, run_compare
 
 pytest.importorskip("triton")
 
@@ -43,6 +43,7 @@ def _check(res):
     assert res["silu_vs_silu_fp32"] >= 0.1, res
 
 
+@background(compare_argv(_CASE))
 def test_activation_rounding_interpreted():
     _check(run_compare(_CASE, "cpu"))
 

@@ -4,7 +4,7 @@ the GPU."""
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -50,8 +50,12 @@ def _check(results):
     assert sum(r["surplus"] > 0 for r in results) >= 10
 
 
+_CPU_RUN = _CASES + "import json\nprint(json.dumps(compare('cpu')))\n"
+
+
+@background(script_argv(_CPU_RUN))
 def test_block_table_lists_each_experts_row_blocks_in_order():
-    _check(run_interpreted(_CASES + "import json\nprint(json.dumps(compare('cpu')))\n"))
+    _check(run_interpreted(_CPU_RUN))
 
 
 @pytest.mark.gpu

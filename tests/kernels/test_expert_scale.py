@@ -8,7 +8,7 @@ TRITON_INTERPRET=1 in a subprocess, and on the GPU."""
 import pytest
 import torch
 
-from tests.kernels.interpreted import run_compare
+from tests.kernels.interpreted import background, compare_argv, run_compare
 
 pytest.importorskip("triton")
 
@@ -66,6 +66,7 @@ def _check(results, tol=2e-5):
         assert max(r.values()) < tol, (name, r)
 
 
+@background(compare_argv(_CASE))
 def test_expert_scale_interpreted():
     _check(run_compare(_CASE, "cpu"))
 

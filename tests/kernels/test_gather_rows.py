@@ -4,7 +4,7 @@ in a subprocess (the variable must be set before Triton is imported)."""
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -36,6 +36,7 @@ print(json.dumps(res))
 """
 
 
+@background(script_argv(_SCRIPT))
 def test_spread_equals_index_select_bitwise():
     results = run_interpreted(_SCRIPT)
     assert len(results) == 5

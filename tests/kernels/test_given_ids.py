@@ -7,7 +7,7 @@ GPU."""
 
 import pytest
 
-from tests.kernels.interpreted import run_compare
+from tests.kernels.interpreted import background, compare_argv, run_compare
 
 pytest.importorskip("triton")
 
@@ -56,6 +56,7 @@ def _check(results, tol=2e-5):
         assert max(r.values()) < tol, (name, r)
 
 
+@background(compare_argv(_CASE))
 def test_given_ids_interpreted():
     _check(run_compare(_CASE, "cpu"))
 

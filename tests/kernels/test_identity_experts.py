@@ -11,7 +11,7 @@ the GPU."""
 import pytest
 import torch
 
-from tests.kernels.interpreted import run_compare
+from tests.kernels.interpreted import background, compare_argv, run_compare
 
 pytest.importorskip("triton")
 
@@ -82,7 +82,8 @@ def _case(kind):
     return _CASE.replace('KIND = "identity"', f'KIND = "{kind}"')
 
 
-@pytest.mark.parametrize("kind", ["identity", "zero"])
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=background(compare_argv(_case(kind))))
+                                  for kind in ("identity", "zero")])
 def test_identity_experts_interpreted(kind):
     """Also through the CUTLASS engine's glue (gathers, activation passes over every sorted row, the bias sums), with
     PyTorch's CPU grouped_mm standing in for CUTLASS."""
@@ -135,6 +136,7 @@ def compare(device, seed):
 """
 
 
+@background(compare_argv(_COMBINE_CASE))
 def test_identity_combine_rounds_as_longcat_interpreted():
     """The forward combine with identity pairs, bit for bit LongCat-Flash's rounding: the experts' weighted sum
     rounded to the output dtype, the identity term x * (identity weights' sum) rounded, then added; identity pairs'

@@ -14,7 +14,7 @@ in a subprocess (fp32, fp16), and on the GPU (bf16, fp32, layer sizes, every eng
 import pytest
 import torch
 
-from tests.kernels.interpreted import run_compare
+from tests.kernels.interpreted import background, compare_argv, run_compare
 
 pytest.importorskip("triton")
 
@@ -191,6 +191,7 @@ def _check(results, tol, n_cases):
         assert r["rolled_out"] > max(0.1, 10 * r["err"]["out"]), (name, r["rolled_out"])
 
 
+@background(compare_argv(_CASE))
 def test_post_norm_interpreted():
     _check(run_compare(_CASE, "cpu"), _CPU_TOL, n_cases=10)
 

@@ -6,7 +6,7 @@ rounded to bf16."""
 
 import pytest
 
-from tests.kernels.interpreted import run_compare
+from tests.kernels.interpreted import background, compare_argv, run_compare
 
 pytest.importorskip("triton")
 
@@ -55,6 +55,7 @@ def _check(results, n_cases):
         assert r["out_err"] < 2e-3, (name, r)
 
 
+@background(compare_argv(_CASE))
 def test_round_weights_interpreted():
     _check(run_compare(_CASE, "cpu"), n_cases=6)
 

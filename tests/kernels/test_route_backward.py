@@ -6,7 +6,7 @@ subprocess in fp16 (the interpreter's bf16 is not reliable), and on the GPU in b
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -65,8 +65,12 @@ def _check(results, dtype):
         assert r["tile_diff"] <= 8 * 2.0**-24, r  # fp32, relative to the largest d(logit) or d(weight)
 
 
+_CPU_RUN = _CASES + "import json\nprint(json.dumps(compare('cpu', torch.float16)))\n"
+
+
+@background(script_argv(_CPU_RUN))
 def test_low_precision_d_logits_equal_the_fp32_ones_cast():
-    results = run_interpreted(_CASES + "import json\nprint(json.dumps(compare('cpu', torch.float16)))\n")
+    results = run_interpreted(_CPU_RUN)
     _check(results, "torch.float16")
 
 

@@ -5,7 +5,7 @@ sums may run in another order). Under TRITON_INTERPRET=1 in a subprocess (fp32),
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -77,8 +77,12 @@ def test_routing_tile_rule(E, T, block_t, warps):
     assert (bt, be, routing.routing_warps(bt, be)) == (block_t, max(E, 2), warps)
 
 
+_CPU_RUN = _CASES + "import json\nprint(json.dumps(compare('cpu', torch.float32)))\n"
+
+
+@background(script_argv(_CPU_RUN))
 def test_one_program_routes_and_sorts_as_the_separate_launches():
-    _check(run_interpreted(_CASES + "import json\nprint(json.dumps(compare('cpu', torch.float32)))\n"))
+    _check(run_interpreted(_CPU_RUN))
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ Under TRITON_INTERPRET=1 in a subprocess (fp32 and fp16), and on the GPU in bf16
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -125,8 +125,12 @@ def _run(device, low):
             f"rounded_tie('{device}', torch.{low}), grouped('{device}')]))\n")
 
 
+_CPU_RUN = _CASES + _run("cpu", "float16")
+
+
+@background(script_argv(_CPU_RUN))
 def test_selection_bias_and_clamped_renorm():
-    results, tie, groups = run_interpreted(_CASES + _run("cpu", "float16"))
+    results, tie, groups = run_interpreted(_CPU_RUN)
     _check(results, tie)
     _check_grouped(groups)
 

@@ -7,7 +7,7 @@ TRITON_INTERPRET=1 in a subprocess, and on the GPU."""
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -58,9 +58,14 @@ def _check(results, dtype):
         assert sum(r["kept"][2:]) > 100 and r["kept"][1] > 100, r["kept"]  # the masks both keep and drop
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])  # the interpreter truncates to bf16: no bf16 here
+def _cpu_run(dtype):
+    return _CASE + f"import json\nprint(json.dumps(compare('cpu', torch.{dtype})))\n"
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(dtype, marks=background(script_argv(_cpu_run(dtype))))
+                                   for dtype in ("float32", "float16")])  # the interpreter truncates to bf16
 def test_sparsemixer_routing_at_edge_logits(dtype):
-    _check(run_interpreted(_CASE + f"import json\nprint(json.dumps(compare('cpu', torch.{dtype})))\n"), dtype)
+    _check(run_interpreted(_cpu_run(dtype)), dtype)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ fp64. Run under TRITON_INTERPRET=1 in a subprocess, and on the GPU."""
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -56,8 +56,12 @@ def _check(results):
         assert r["w_excess"] <= 1 and r["dl_excess"] <= 1, (K, r)
 
 
+_CPU_RUN = _CASE + "import json\nprint(json.dumps(compare('cpu')))\n"
+
+
+@background(script_argv(_CPU_RUN))
 def test_sqrtsoftplus_scores_and_gradients_at_extreme_logits():
-    _check(run_interpreted(_CASE + "import json\nprint(json.dumps(compare('cpu')))\n"))
+    _check(run_interpreted(_CPU_RUN))
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ must be set before Triton is imported) and on the GPU at DeepSeek-V3's router si
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -21,9 +21,13 @@ def _check(results, slack):
             assert r["zero"], r  # K = 0: the bias alone, zero here
 
 
+_CPU_RUN = ("import json\nfrom tests.kernels.router_gemm_cases import CPU_CASES, compare\n"
+            "print(json.dumps([compare(*c) for c in CPU_CASES]))")
+
+
+@background(script_argv(_CPU_RUN))
 def test_split_pieces_match_an_fp32_gemm_interpreted():
-    results = run_interpreted("import json\nfrom tests.kernels.router_gemm_cases import CPU_CASES, compare\n"
-                              "print(json.dumps([compare(*c) for c in CPU_CASES]))")
+    results = run_interpreted(_CPU_RUN)
     assert len(results) == 7
     _check(results, slack=1.5)
 

@@ -4,7 +4,7 @@ subprocess (the variable must be set before Triton is imported)."""
 
 import pytest
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 pytest.importorskip("triton")
 
@@ -32,6 +32,7 @@ print(json.dumps(res))
 """
 
 
+@background(script_argv(_SCRIPT))
 def test_every_tile_once_in_groups_of_row_blocks():
     for case in run_interpreted(_SCRIPT):
         num_m, num_n, group, tiles = case["num_m"], case["num_n"], case["group"], case["tiles"]

@@ -8,14 +8,15 @@ import json
 
 import pytest
 
-from tests.kernels.interpreted import KERNEL_RUNNER, interpreted_stdout
+from tests.kernels.interpreted import KERNEL_RUNNER, background, interpreted_stdout
 
 pytest.importorskip("triton")
+pytestmark = background(KERNEL_RUNNER)  # one run for the module's tests, queued at collection (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    # Started at collection by tests/conftest.py where it can be. The timeout is a guard against a hang, not a
+    # Queued at collection by tests/conftest.py where it can be. The timeout is a guard against a hang, not a
     # speed limit: a slow 2-core CI machine takes ~10 minutes alone, longer beside the other tests.
     stdout = interpreted_stdout(KERNEL_RUNNER, timeout=2400)
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]

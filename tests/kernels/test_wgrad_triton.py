@@ -11,7 +11,7 @@ CUTLASS's grouped GEMM, repeat bit for bit, and replay from a CUDA graph.
 import pytest
 import torch
 
-from tests.kernels.interpreted import run_interpreted
+from tests.kernels.interpreted import background, run_interpreted, script_argv
 
 # name -> extra config keys on top of the table's tile
 OPTIONS = {"plain": {}, "tma": {"TMA": True}, "persistent": {"PROGRAMS_PER_SM": 3},
@@ -114,6 +114,7 @@ def _check(res, tol):
     assert res["empty_zero"], res
 
 
+@background(script_argv(_SCRIPT))
 def test_every_option_gives_the_plain_launchs_bits_interpreted(cpu_results):
     assert len(cpu_results) == len(CPU_CASES)
     for res in cpu_results:
@@ -238,6 +239,7 @@ print(json.dumps([c["earlier_inputs_alive"] for c in calls]))
 '''
 
 
+@background(script_argv(_FREE_SCRIPT))
 def test_the_down_weight_gradients_rows_are_freed_before_the_gate_up_one():
     """The Triton weight gradients run dW2 (go, act(h) * w) and then dW1 (dh, x): act(h) * w, [T*K, I], is dead by
     the time dW1's gradient is made, as CUTLASS's path drops its sorted copies (with it alive, Mixtral T=256's
