@@ -60,12 +60,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-    # The tests that read interpreted runs go last (in their order), so that the background runs
-    # (pytest_collection_finish) have the rest of the session to finish in: in their own places CI reached them
-    # after two thirds of its time and waited minutes for the last ones. (The module fixtures that read a run,
-    # test_triton_interpret's and test_wgrad_triton's, serve marked tests only, so each is still set up once.)
-    reading = [item.get_closest_marker("interpreted") is not None for item in items]
-    items[:] = [item for item, r in zip(items, reading) if not r] + [item for item, r in zip(items, reading) if r]
 
 
 def pytest_collection_finish(session):

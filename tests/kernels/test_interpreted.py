@@ -71,9 +71,3 @@ def test_a_run_the_queue_has_not_reached_runs_in_the_test():
     runs.stop()
     assert proc.poll() is not None and not runs.started
     _wait_for(lambda: runs.worker is None)
-
-
-def test_the_tests_that_read_runs_come_last(request):
-    """tests/conftest.py puts them after the others, so that the queued runs have the session to finish in."""
-    reads = [item.get_closest_marker("interpreted") is not None for item in request.session.items]
-    assert reads == sorted(reads)
