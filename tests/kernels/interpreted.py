@@ -1,7 +1,7 @@
 """Run Python under Triton's CPU interpreter, for kernel tests in CI (no GPU there). A fresh process: the
 variable must be set before Triton and the kernel modules are first imported.
 
-Interpreted runs are most of CI's time on its 2-core machine, and each is one single-threaded process. A test marks
+Interpreted runs take a large part of CI's time on its 2-core machine, each in one single-threaded process. A test marks
 its run with `background(argv)`; tests/conftest.py queues the selected tests' runs at collection, and one
 background thread runs them one after another, in the order the tests come, on the core the other tests leave
 free. A test then takes its run's output (`interpreted_stdout`), waiting for it if it is running, or runs it itself
