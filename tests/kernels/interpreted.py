@@ -52,9 +52,8 @@ def _kill(proc):
 
 
 class BackgroundRuns:
-    """Interpreted runs started ahead of the tests that read them: now (`start`), or queued for one thread that
-    starts each when the one before it ended (`queue`). Output goes to temporary files: a full pipe would stall a
-    run."""
+    """Interpreted runs started ahead of the tests that read them: queued for one thread that starts each when the
+    one before it ended. Output goes to temporary files: a full pipe would stall a run."""
 
     def __init__(self):
         self.started = {}  # argv -> (process, stdout file, stderr file, start time)
@@ -67,11 +66,6 @@ class BackgroundRuns:
         proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=_env(), stdout=out, stderr=err, text=True)
         self.started[argv] = (proc, out, err, time.monotonic())
         return proc
-
-    def start(self, argv: list):
-        with self.lock:
-            if tuple(argv) not in self.started:
-                self._start(tuple(argv))
 
     def queue(self, argvs: list):
         with self.lock:
@@ -98,12 +92,12 @@ class BackgroundRuns:
                 self.queued.remove(tuple(argv))
             return self.started.pop(tuple(argv), None)
 
-    def stop(self, argv: list | None = None):
-        """Drop the queued runs and kill the started ones nobody took (`argv`'s, or all)."""
+    def stop(self):
+        """Drop the queued runs and kill the started ones nobody took."""
         with self.lock:
-            keys = [tuple(argv)] if argv is not None else self.queued + list(self.started)
-            self.queued[:] = [a for a in self.queued if a not in keys]
-            started = [self.started.pop(key) for key in keys if key in self.started]
+            self.queued.clear()
+            started = list(self.started.values())
+            self.started.clear()
         for proc, out, err, _ in started:
             _kill(proc)
             out.close()
@@ -113,21 +107,14 @@ class BackgroundRuns:
 RUNS = BackgroundRuns()  # the session's (tests/conftest.py queues the selected tests' runs)
 
 
-def start_interpreted(argv: list):
-    """Start `python *argv` interpreted in the background now (once); `interpreted_stdout(argv)` then waits for
-    it."""
-    RUNS.start(argv)
-
-
 def run_in_background(argvs: list):
     """Queue `argvs` (each once) to run in the background one after another, in this order."""
     RUNS.queue(argvs)
 
 
-def stop_started(argv: list | None = None):
-    """Drop the queued runs and kill the started ones nobody waited for (`argv`'s, or all): a session that ended
-    early."""
-    RUNS.stop(argv)
+def stop_started():
+    """Drop the queued runs and kill the started ones nobody waited for: a session that ended early."""
+    RUNS.stop()
 
 
 def interpreted_stdout(argv: list, timeout: float = 300, runs: BackgroundRuns = RUNS) -> str:

@@ -10,37 +10,6 @@ import pytest
 from tests.kernels import interpreted
 
 
-def test_a_background_run_gives_its_stdout_under_the_interpreter():
-    argv = ["-c", "import os; print(os.environ['TRITON_INTERPRET'], 'ran')"]
-    interpreted.start_interpreted(argv)
-    interpreted.start_interpreted(argv)  # started once
-    assert interpreted.interpreted_stdout(argv) == "1 ran\n" == interpreted.interpreted_stdout(argv)
-
-
-def test_a_failing_background_run_reports_its_stderr():
-    argv = ["-c", "import sys; sys.exit('the runner failed')"]
-    interpreted.start_interpreted(argv)
-    with pytest.raises(AssertionError, match="the runner failed"):
-        interpreted.interpreted_stdout(argv)
-
-
-def test_the_timeout_counts_from_the_start_and_kills_the_run():
-    argv = ["-c", "import time; time.sleep(60)"]
-    interpreted.start_interpreted(argv)
-    proc = interpreted.RUNS.started[tuple(argv)][0]
-    with pytest.raises(subprocess.TimeoutExpired):
-        interpreted.interpreted_stdout(argv, timeout=1)
-    assert proc.poll() is not None and tuple(argv) not in interpreted.RUNS.started
-
-
-def test_runs_nobody_waited_for_are_killed_at_the_end():
-    argv = ["-c", "import time; time.sleep(60)"]
-    interpreted.start_interpreted(argv)
-    proc = interpreted.RUNS.started[tuple(argv)][0]
-    interpreted.stop_started(argv)  # only this one: the kernel runner may be running beside this test
-    assert proc.poll() is not None and tuple(argv) not in interpreted.RUNS.started
-
-
 def _wait_for(condition, seconds=60.0):
     deadline = time.monotonic() + seconds
     while not condition():
@@ -48,8 +17,46 @@ def _wait_for(condition, seconds=60.0):
         time.sleep(0.05)
 
 
+def _started(argv):
+    """Runs of their own (not the session's queue, which may be busy with the kernel runner), with `argv`'s
+    started."""
+    runs = interpreted.BackgroundRuns()
+    runs.queue([argv, argv])  # queued once
+    _wait_for(lambda: tuple(argv) in runs.started)
+    return runs
+
+
+def test_a_background_run_gives_its_stdout_under_the_interpreter():
+    argv = ["-c", "import os; print(os.environ['TRITON_INTERPRET'], 'ran')"]
+    runs = _started(argv)
+    assert interpreted.interpreted_stdout(argv, runs=runs) == "1 ran\n" == interpreted.interpreted_stdout(argv)
+
+
+def test_a_failing_background_run_reports_its_stderr():
+    argv = ["-c", "import sys; sys.exit('the runner failed')"]
+    runs = _started(argv)
+    with pytest.raises(AssertionError, match="the runner failed"):
+        interpreted.interpreted_stdout(argv, runs=runs)
+
+
+def test_the_timeout_counts_from_the_start_and_kills_the_run():
+    argv = ["-c", "import time; time.sleep(60)"]
+    runs = _started(argv)
+    proc = runs.started[tuple(argv)][0]
+    with pytest.raises(subprocess.TimeoutExpired):
+        interpreted.interpreted_stdout(argv, timeout=1, runs=runs)
+    assert proc.poll() is not None and not runs.started
+
+
+def test_runs_nobody_waited_for_are_killed_at_the_end():
+    argv = ["-c", "import time; time.sleep(60)"]
+    runs = _started(argv)
+    proc = runs.started[tuple(argv)][0]
+    runs.stop()
+    assert proc.poll() is not None and not runs.started
+
+
 def test_queued_runs_run_one_at_a_time_in_order():
-    """A run of its own (not the session's queue, which may be busy with the kernel runner)."""
     runs = interpreted.BackgroundRuns()
     argvs = [["-c", f"import time; t = time.monotonic(); time.sleep(0.3); print({i}, t, time.monotonic())"]
              for i in range(3)]
