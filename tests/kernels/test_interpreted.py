@@ -78,3 +78,11 @@ def test_a_run_the_queue_has_not_reached_runs_in_the_test():
     runs.stop()
     assert proc.poll() is not None and not runs.started
     _wait_for(lambda: runs.worker is None)
+
+
+def test_the_cpu_kernels_tests_run_after_the_others(request):
+    """tests/conftest.py's RUN_LAST: in this session's order no test of those directories precedes another's."""
+    from tests.conftest import RUN_LAST
+
+    last = [item.nodeid.startswith(RUN_LAST) for item in request.session.items]
+    assert last == sorted(last)
