@@ -311,6 +311,30 @@ def learned_tensor_autograd(T, H, I, E, kw, name, draw, monkeypatch, device="cud
     return (x, router, w1, w2, learned, go), four_autograd_calls(step, T, monkeypatch)
 
 
+def tied_tokens(tensors, kw) -> torch.Tensor:
+    """[T] bool: the tokens whose pick has an exact tie in the reference's selection, at the top-k boundary of its
+    scores or, group-limited, of its group scores (16-bit scores make that likely: 1.3% of the tokens of bf16-softmax
+    cases). Either pick is then right (torch.topk promises no order among equals), so engines may differ there."""
+    kw = with_defaults(kw)
+    x, router, router_bias, selection_bias = tensors[:4]
+    T, K, E = x.shape[0], kw["top_k"], tensors[4].shape[0]
+    tied = torch.zeros(T, dtype=torch.bool, device=x.device)
+    if K >= E or kw["routing"] == "sparsemixer":  # its picks are torch.max's, the first of equals, as the kernel's
+        return tied
+    logits = reference.router_logits(x, router, router_bias, router_is_logits=kw["router_is_logits"],
+                                     router_fp32=kw["router_fp32"])
+    choice, _ = reference.selection_scores(logits, selection_bias, routing=kw["routing"],
+                                           softmax_fp32=kw["softmax_fp32"], n_group=1, topk_group=1)
+    G = kw["n_group"]
+    if G > 1:
+        groups = choice.view(T, G, E // G).topk(kw["group_top"], dim=-1)[0].sum(dim=-1)
+        ranked = groups.sort(dim=-1, descending=True).values
+        tied |= ranked[:, kw["topk_group"] - 1] == ranked[:, kw["topk_group"]]
+        choice = reference._grouped_choice(choice, G, kw["topk_group"], kw["group_top"])
+    ranked = choice.sort(dim=-1, descending=True).values
+    return tied | (ranked[:, K - 1] == ranked[:, K])
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

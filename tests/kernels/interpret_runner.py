@@ -21,23 +21,12 @@ from mok_compile.ops import reference  # noqa: E402
 from mok_compile.ops.spec import with_defaults  # noqa: E402
 from tests.kernels.cases import (CUTLASS_INTERPRET_CASES, HALF_TAIL_BLOCK_M, HALF_TAIL_INTERPRET_CASES,  # noqa: E402
                                  HALF_TAIL_TMA_INTERPRET_CASES, INTERPRET_CASES, TMA_INTERPRET_CASES, make_case,
-                                 rel_err)
+                                 rel_err, tied_tokens)
 
 def _tie_at_top_k(tensors, kw):
-    """Whether some token's K-th and (K+1)-th selection scores are exactly equal (16-bit logits make
-    that likely enough to matter): either pick is then right and the outputs differ by design."""
-    kw = with_defaults(kw)
-    x, router, router_bias, selection_bias = tensors[:4]
-    K, E = kw["top_k"], tensors[4].shape[0]
-    if K >= E or kw["routing"] == "sparsemixer":  # its picks are torch.max's, the first of equals, as the kernel's
-        return False
-    logits = reference.router_logits(x, router, router_bias, router_is_logits=kw["router_is_logits"],
-                                     router_fp32=kw["router_fp32"])
-    choice, _ = reference.selection_scores(logits, selection_bias, routing=kw["routing"],
-                                           softmax_fp32=kw["softmax_fp32"], n_group=kw["n_group"],
-                                           topk_group=kw["topk_group"], group_top=kw["group_top"])
-    ranked = choice.sort(dim=-1, descending=True).values
-    return bool((ranked[:, K - 1] == ranked[:, K]).any())
+    """Whether some token's pick has an exact tie (`tied_tokens`): either pick is then right and the outputs differ by
+    design."""
+    return bool(tied_tokens(tensors, kw).any())
 
 
 # The fp16 forward rounds x @ W1 before adding the bias (HF's order), which moves a pre-activation near zero by up

@@ -132,3 +132,19 @@ def test_weight_dot_condition_is_one_without_cancellation(monkeypatch):
     x = x.abs()
     tensors = (x, router, rb, sb, w1.abs(), b1, w2.abs(), b2)
     assert test_triton_gpu._weight_dot_condition(tensors, kw) == pytest.approx(1.0)
+
+
+def test_tied_tokens_are_exact_ties_at_the_pick():
+    """`cases.tied_tokens`: token 0's 2nd and 3rd logits tie (top-2), token 1's 3rd and 4th (past the pick) and token
+    2's none; with groups (mistral4's: the best 2 of 4 by the sum of their top 2), the first token's 2nd and 3rd group
+    sums tie while its experts at the pick do not."""
+    logits = torch.tensor([[4.0, 3.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.0],
+                           [4.0, 3.0, 2.0, 2.0, 1.0, 0.5, 0.25, 0.0],
+                           [4.0, 3.0, 2.5, 0.5, 2.0, 1.0, 0.0, -1.0]])
+    tensors, kw = make_case("mixtral", T=3, H=8, I=4, E=8, K=2, logits=logits)
+    assert cases.tied_tokens(tensors, kw).tolist() == [True, False, False]
+    grouped = torch.tensor([[4.0, 3.0, 2.5, 0.5, 2.0, 1.0, 0.0, -1.0],
+                            [4.0, 3.0, 2.5, 0.5, 2.0, 0.75, 0.0, -1.0]])  # group sums 7, 3, 3, -1 / 7, 3, 2.75, -1
+    tensors, kw = make_case("mistral4", T=2, H=8, I=4, E=8, K=2, logits=grouped)
+    kw = {**kw, "softmax_fp32": True, "routing": "topk_softmax"}  # the logits are the scores, summed exactly
+    assert cases.tied_tokens(tensors, kw).tolist() == [True, False]

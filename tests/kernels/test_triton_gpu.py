@@ -13,7 +13,7 @@ import torch
 
 from mok_compile.ops import reference
 from tests.kernels.cases import (VARIANTS, fp32_expert_reference, generator, make_case, rel_err,
-                                 rounded_activation_gradient, rounded_before_bias, rounded_weighted_input)
+                                 rounded_activation_gradient, rounded_before_bias, rounded_weighted_input, tied_tokens)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -136,7 +136,7 @@ def _check(tensors, kw, dtype):
     assert out.isfinite().all()
     r_out, r_w, r_ids = reference.fused_moe_reference(*tensors, **kw)
     same = (ids.sort(1)[0] == r_ids.sort(1)[0]).all(1)
-    assert same.float().mean() > 0.99  # routing ties at the last ulp may differ, nothing more
+    assert (same | tied_tokens(tensors, kw)).all()  # picks may differ only where the reference's scores tie
     if same.any():
         assert rel_err(out[same], r_out[same]) < FWD_TOL[dtype]
         order, r_order = ids.sort(1)[1], r_ids.sort(1)[1]
