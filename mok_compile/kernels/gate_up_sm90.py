@@ -4,7 +4,8 @@ the epilogue. Its output is bit for bit the Triton gate_up's.
 
 Why it exists: the Triton gate_up is bound by L2 reads (benchmarks/NOTES-gpu.md v25, v27), and sharing each W1
 tile between two row blocks of one expert needs TMA multicast, which Triton 3.6 does not emit on Hopper. Measured
-(NOTES v28, v31), it is not faster in the layer, nor alone on the layer's routing (it won only on the tuner's), so it
+(NOTES v28, v31, v77), it is not faster in the layer, nor alone on the layer's routing (it won only on the tuner's;
+inside the layer's step it took 3-6% longer than the Triton gate_up at DeepSeek-V3 T=4096 and Qwen3 T=16384), so it
 runs only on request, MOK_GEMM_ENGINE=gate_up=sm90 (`configs.gate_up_engine`), and only for the calls it fits
 (`eligible`); the GPU tests run it that way.
 
