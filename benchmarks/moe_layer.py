@@ -251,11 +251,7 @@ def graphed(step):
     The replay function holds `step`: a graph reads its inputs at the addresses they had at capture, so whatever
     `step` holds (e.g. a cloned input that nothing else references) must stay allocated as long as the graph may
     be replayed. Returning the bare `graph.replay` let configs_ab's clone be freed and its memory be reused, and
-    its fwd+bwd timings then ran on whatever was written there (NOTES v36 (1)).
-
-    The caching allocator's free blocks are released before the capture: the graph allocates from a private pool,
-    and DeepSeek-V3's fwd+bwd at T=4096 on an 80 GB card found 49 GB cached but free in the main pool and only 6 GB
-    for its 7 GB (NOTES v77 (5))."""
+    its fwd+bwd timings then ran on whatever was written there (NOTES v36 (1))."""
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -263,8 +259,6 @@ def graphed(step):
             for _ in range(3):
                 step()
         torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
