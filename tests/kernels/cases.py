@@ -327,9 +327,10 @@ def tied_tokens(tensors, kw) -> torch.Tensor:
                                            softmax_fp32=kw["softmax_fp32"], n_group=1, topk_group=1)
     G = kw["n_group"]
     if G > 1:
-        groups = choice.view(T, G, E // G).topk(kw["group_top"], dim=-1)[0].sum(dim=-1)
-        ranked = groups.sort(dim=-1, descending=True).values
-        tied |= ranked[:, kw["topk_group"] - 1] == ranked[:, kw["topk_group"]]
+        if kw["topk_group"] < G:
+            groups = choice.view(T, G, E // G).topk(kw["group_top"], dim=-1)[0].sum(dim=-1)
+            ranked = groups.sort(dim=-1, descending=True).values
+            tied |= ranked[:, kw["topk_group"] - 1] == ranked[:, kw["topk_group"]]
         choice = reference._grouped_choice(choice, G, kw["topk_group"], kw["group_top"])
     ranked = choice.sort(dim=-1, descending=True).values
     return tied | (ranked[:, K - 1] == ranked[:, K])
