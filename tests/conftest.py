@@ -80,13 +80,13 @@ def pytest_collection_finish(session):
     if argvs:
         from tests.kernels import interpreted
 
-        interpreted.run_in_background(argvs)
+        interpreted.RUNS.queue(argvs)
 
 
 def pytest_sessionfinish(session):
     from tests.kernels import interpreted
 
-    interpreted.stop_started()
+    interpreted.RUNS.stop()  # a session that ended early: drop the queued runs, kill the ones nobody took
 
 
 @pytest.fixture(autouse=True)

@@ -75,13 +75,19 @@ def _expert_scale_at(expert_scale, ids, dtype):
     return expert_scale.to(dtype)[ids]
 
 
-def _grouped_choice(choice, n_group, topk_group, group_top):
-    """Group-limited selection (DeepSeek-V3: group score = sum of its top 2; V2: its max): mask all but the best
-    groups with -inf."""
+def group_scores(choice, n_group, group_top):
+    """[T, n_group]: each group's score for group-limited selection, the sum of its `group_top` largest choices
+    (DeepSeek-V3: 2; V2: 1, its max)."""
     T, E = choice.shape
-    group_scores = choice.view(T, n_group, E // n_group).topk(group_top, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1)
+    return choice.view(T, n_group, E // n_group).topk(group_top, dim=-1)[0].sum(dim=-1)
+
+
+def _grouped_choice(choice, n_group, topk_group, group_top):
+    """Group-limited selection (`group_scores`): mask all but the best groups with -inf."""
+    T, E = choice.shape
+    scores = group_scores(choice, n_group, group_top)
+    group_idx = torch.topk(scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(scores).scatter(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(T, n_group, E // n_group).reshape(T, E)
     return choice.masked_fill(~score_mask.bool(), float("-inf"))
 

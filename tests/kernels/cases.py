@@ -328,8 +328,7 @@ def tied_tokens(tensors, kw) -> torch.Tensor:
     G = kw["n_group"]
     if G > 1:
         if kw["topk_group"] < G:
-            groups = choice.view(T, G, E // G).topk(kw["group_top"], dim=-1)[0].sum(dim=-1)
-            ranked = groups.sort(dim=-1, descending=True).values
+            ranked = reference.group_scores(choice, G, kw["group_top"]).sort(dim=-1, descending=True).values
             tied |= ranked[:, kw["topk_group"] - 1] == ranked[:, kw["topk_group"]]
         choice = reference._grouped_choice(choice, G, kw["topk_group"], kw["group_top"])
     ranked = choice.sort(dim=-1, descending=True).values

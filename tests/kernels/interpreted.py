@@ -107,16 +107,6 @@ class BackgroundRuns:
 RUNS = BackgroundRuns()  # the session's (tests/conftest.py queues the selected tests' runs)
 
 
-def run_in_background(argvs: list):
-    """Queue `argvs` (each once) to run in the background one after another, in this order."""
-    RUNS.queue(argvs)
-
-
-def stop_started():
-    """Drop the queued runs and kill the started ones nobody waited for: a session that ended early."""
-    RUNS.stop()
-
-
 def interpreted_stdout(argv: list, timeout: float = 300, runs: BackgroundRuns = RUNS) -> str:
     """stdout of `python *argv` run from the repository root with TRITON_INTERPRET=1 (asserts it succeeded);
     `timeout` counts from the start, also for a run started earlier in the background. A run still queued is
