@@ -190,7 +190,7 @@ def describe_block(b) -> str:
         if r.n_group > 1:
             extras.append(f"groups={r.topk_group}/{r.n_group}")
         if b.given_ids:
-            extras.append("ids_given")
+            extras.append("selection_kept" if b.kept_selection else "ids_given")
         if b.expert_scale:
             extras.append("expert_scale")
         if b.router_rounded:

@@ -30,7 +30,7 @@ from .checkpointed import fuse_checkpointed
 from .dataflow import Dataflow
 from .experts import SPLIT_LOOP, ExpertsMatch, Stack, match_experts, region_form
 from .op_names import CAST_OPS, module_path, tensor_meta
-from .region import NoMatch, Region, block_anchors, find_region, strip
+from .region import NoMatch, Region, block_anchors, find_region, kept_selection_anchor, strip
 from .rewrite import emit, plan_rewrite
 from .routing import Flat, RouterMatch, match_router
 from .sharded import sharded_reason, sharding_evidence
@@ -60,6 +60,8 @@ class BlockReport:
     experts: ExpertSpec | None = None
     dtype: torch.dtype | None = None
     given_ids: bool = False  # the expert ids come from outside the block (hash routing): the op's expert_ids
+    # The top-k's choice stays in the graph (the op cannot make it, e.g. AXK2's 0-filled groups), its ids given.
+    kept_selection: bool = False
     expert_scale: bool = False  # the weights are multiplied by a per-expert tensor (Gemma 4): the op's expert_scale
     router_rounded: bool = False  # the router's weight (or bias) is an input rounded in the block (Ergo's fp32 one)
     # The probe had no memory for a copy of the weights and proved the block on the model's own ones, a weaker proof
@@ -255,6 +257,24 @@ def _fuse_block(gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockRe
     report.fused, report.reason = True, ""
 
 
+def _fuse_keeping_selection(first: NoMatch, gm, flow: Dataflow, anchor, ids, validate: bool, report: BlockReport,
+                            probe_cache: dict, anchors, before_rewrite, live, states: dict) -> BlockReport:
+    """A block whose top-k the op cannot compute, fused with its selection kept in the graph: the router's scores
+    gathered at the top-k's ids are the anchor, and the op takes the ids as given (`region.kept_selection_anchor`).
+    Raises the first attempt's NoMatch, `first` (its reason is the report's), where there is no such gather or this
+    fails too."""
+    gather = kept_selection_anchor(anchor, ids)
+    if gather is None:
+        raise first
+    kept = BlockReport(name=report.name, fused=False, reason="", form="unknown", kept_selection=True)
+    anchors = [(gather, ids) if a is anchor else (a, i) for a, i in anchors]
+    try:
+        _fuse_block(gm, flow, gather, ids, validate, kept, probe_cache, anchors, before_rewrite, live, states)
+    except NoMatch:
+        raise first from None
+    return kept
+
+
 def fuse_moe(gm: fx.GraphModule, example_inputs: Sequence | None = None, *, validate: bool = True,
              strict: bool = False, before_rewrite: Callable[[], None] | None = None) -> FuseReport:
     """Find every router+experts MoE block in `gm`, rewrite each provable one into `torch.ops.mok.fused_moe`.
@@ -305,7 +325,12 @@ def _fuse_blocks(gm: fx.GraphModule, example_inputs, validate: bool, before_rewr
         if report.blocks and report.blocks[-1].fused:  # the graph as the block before this one left it
             flow = Dataflow(gm.graph, previous=flow)
         try:
-            _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite, live, states)
+            try:
+                _fuse_block(gm, flow, anchor, ids, validate, block, probe_cache, anchors, before_rewrite, live,
+                            states)
+            except NoMatch as first:
+                block = _fuse_keeping_selection(first, gm, flow, anchor, ids, validate, block, probe_cache, anchors,
+                                                before_rewrite, live, states)
         except NoMatch as err:
             block.fused, block.reason = False, str(err)
             block.form = err.form or block.form

@@ -287,21 +287,40 @@ def _integer_only(flow: Dataflow, node: fx.Node) -> bool:
     return not any(_has_float_value(n) for n in flow.backward_slice([node], _has_float_value))
 
 
+def _scores_gathered_at(ids: fx.Node) -> fx.Node | None:
+    """The one ``gather`` along the experts that reads [T, K] integer `ids` as its index (router scores at them), or
+    None where there is no such gather or more than one."""
+    ids_meta = tensor_meta(ids)
+    if (ids_meta is None or ids_meta.dim() != 2 or ids_meta.is_floating_point() or ids_meta.dtype == torch.bool
+            or not isinstance(ids_meta.shape[1], int)):
+        return None
+    gathers = [u for u in ids.users if op_name(u) == "gather"]
+    if len(gathers) != 1:
+        return None
+    (gather,), meta = gathers, tensor_meta(gathers[0])
+    if arg(gather, 2, "index") is not ids or arg(gather, 1, "dim") not in (1, -1) or meta is None or meta.dim() != 2:
+        return None
+    return gather
+
+
 def _given_ids_anchor(flow: Dataflow, gather: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     """(gather, ids) for given ids: a ``gather`` along the experts at [T, K] integer ids computed from integer inputs
     alone (`_integer_only`: a table lookup by token id as in DeepSeek-V4's hash routing, a modulo hash, positions),
     the only gather that reads them, which dispatch to experts; None otherwise. The gather is the router's scores at
     the given ids (the routing weights; `routing` checks that)."""
-    ids, meta = arg(gather, 2, "index"), tensor_meta(gather)
-    if not isinstance(ids, fx.Node) or arg(gather, 1, "dim") not in (1, -1) or meta is None or meta.dim() != 2:
-        return None
-    ids_meta = tensor_meta(ids)
-    if (ids_meta is None or ids_meta.dim() != 2 or ids_meta.is_floating_point() or ids_meta.dtype == torch.bool
-            or not isinstance(ids_meta.shape[1], int)):
-        return None
-    if sum(op_name(u) == "gather" for u in ids.users) != 1 or not _integer_only(flow, ids):
+    ids = arg(gather, 2, "index")
+    if not isinstance(ids, fx.Node) or _scores_gathered_at(ids) is not gather or not _integer_only(flow, ids):
         return None
     return (gather, ids) if dispatch_evidence(flow, ids) else None
+
+
+def kept_selection_anchor(topk: fx.Node, ids: fx.Node) -> fx.Node | None:
+    """For a top-k whose choice the op cannot make (AXK2 fills the groups it drops with 0 where a selection bias can
+    make kept scores negative, so dropped experts can outrank kept ones and tie among themselves), the gather of
+    router scores at its ids: fused with it as the anchor, the block takes the ids as given (the op's
+    `expert_ids`), and the selection stays in the graph, as the graph computes it. None where the weights are not
+    scores gathered at the ids (the top-k's own values, say)."""
+    return _scores_gathered_at(ids) if op_name(topk) == "topk" else None
 
 
 def block_anchors(gm: fx.GraphModule, flow: Dataflow) -> list[tuple[fx.Node, fx.Node]]:

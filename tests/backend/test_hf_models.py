@@ -102,6 +102,47 @@ def test_deepseek_v4_trains_fused():
         assert err <= 1e-13, f"grad of {name}: relative max error {err:.3g}"
 
 
+def test_axk2_trains_fused_keeping_its_selection():
+    """AXK2 (transformers >= 5.25) with group-limited routing whose dropped groups are filled with 0, under a selection
+    bias that makes kept choice values negative, so that dropped experts are picked: each layer fused with its
+    selection kept in the graph (the op takes its ids); logits, loss and every gradient (the router's through the op's
+    d(logits)) as eager's, in fp32."""
+    pytest.importorskip("transformers.models.axk2.modeling_axk2")
+    import transformers as tf
+
+    config = tf.AXK2Config(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                           num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=4,
+                           n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                           kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=2,
+                           mlp_layer_types=["sparse"] * NUM_LAYERS, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = init_moe_weights_(tf.AutoModelForCausalLM.from_config(config))
+    model.set_experts_implementation("grouped_mm")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1 - 0.6)
+    ids = token_ids()
+
+    def step(fn):  # as `forward`, but the attention's indexer, which only selects keys, gets no gradient
+        model.zero_grad(set_to_none=True)
+        model.train()
+        out = fn(ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), out.loss.detach(), {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_logits, want_loss, want_grads = step(model)
+    got_logits, got_loss, got_grads = step(torch.compile(model, backend="mok", options=AOT))
+    assert (counters["mok"]["fused_moe"], counters["mok"]["rejected_moe"]) == (NUM_LAYERS, 0), dict(counters["mok"])
+    assert sum(".mlp.experts." in n or ".mlp.gate." in n for n in want_grads) == 3 * NUM_LAYERS
+    assert_close_rel(got_logits, want_logits, TOL[torch.float32]["logits"], "logits")
+    assert_close_rel(got_loss, want_loss, TOL[torch.float32]["logits"], "loss")
+    assert got_grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():
+        assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gemma4_trains_fused(dtype):
     """Gemma 4: each layer's router (on its own normalisation of the residual) and experts are separate modules,

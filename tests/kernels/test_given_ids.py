@@ -2,8 +2,8 @@
 kernel reads the ids instead of choosing them, and the dispatch places a row's repeated ids (an expert named twice)
 one after the other. Forward, the training forward's saved layout, and the backward with and without it, against the
 reference in fp32, for every routing family, at a token count one routing program holds (the sort in the routing
-launch) and at one it does not (scan and scatter launches). Run under TRITON_INTERPRET=1 in a subprocess, and on the
-GPU."""
+launch) and at one it does not (scan and scatter launches); one case takes the logits as the router argument
+(router_is_logits). Run under TRITON_INTERPRET=1 in a subprocess, and on the GPU."""
 
 import pytest
 
@@ -30,15 +30,22 @@ def compare(device, seed, dtype=torch.float32):
         ids[T - 1] = torch.tensor([1, 6, 1])
         ids = ids.to(device)
         go = torch.randn(T, H, generator=g).to(device, dtype)
-        for routing in ROUTINGS if T < 64 else ROUTINGS[::4]:
+        # "logits": the router argument is the logits (router_is_logits), as where a top-k the op cannot compute stays
+        # in the graph and the op takes its ids and the graph's logits (AXK2's 0-filled group selection)
+        logits_layer = (tensors[0], (tensors[0] @ tensors[1].T).float(), *tensors[2:])
+        for routing in (*ROUTINGS, "logits") if T < 64 else ROUTINGS[::4]:
             kw = dict(top_k=K, routing=routing, renormalize=routing != "topk_softmax", routed_scale=1.5,
                       renorm_eps=1e-20)
-            out, w, got_ids = moe.fused_moe_forward(*tensors, expert_ids=ids, **kw)
-            r_out, r_w, _ = reference.fused_moe_reference(*tensors, expert_ids=ids, **kw)
-            grads = moe.fused_moe_backward(go, None, *tensors, w, got_ids, **kw)  # counts and sorts the ids itself
-            r_grads = reference.fused_moe_backward_reference(go, None, *tensors, r_w, ids, **kw)
-            *_, h, logits, layout, _ = moe.fused_moe_forward(*tensors, expert_ids=ids.int(), save_gate_up=True, **kw)
-            saved = moe.fused_moe_backward(go, None, *tensors, w, got_ids, gate_up_out=h, router_logits=logits,
+            layer = tensors
+            if routing == "logits":
+                kw.update(routing="sigmoid_grouped_topk", router_is_logits=True)
+                layer = logits_layer
+            out, w, got_ids = moe.fused_moe_forward(*layer, expert_ids=ids, **kw)
+            r_out, r_w, _ = reference.fused_moe_reference(*layer, expert_ids=ids, **kw)
+            grads = moe.fused_moe_backward(go, None, *layer, w, got_ids, **kw)  # counts and sorts the ids itself
+            r_grads = reference.fused_moe_backward_reference(go, None, *layer, r_w, ids, **kw)
+            *_, h, logits, layout, _ = moe.fused_moe_forward(*layer, expert_ids=ids.int(), save_gate_up=True, **kw)
+            saved = moe.fused_moe_backward(go, None, *layer, w, got_ids, gate_up_out=h, router_logits=logits,
                                            routing_layout=layout, **kw)
             names = ("dx", "drouter", None, "dw1", None, "dw2", "db2")
             res[f"{T}/{routing}"] = dict(
@@ -50,7 +57,7 @@ def compare(device, seed, dtype=torch.float32):
 
 
 def _check(results, tol=2e-5):
-    assert len(results) == 7
+    assert len(results) == 8
     for name, r in results.items():
         assert r.pop("ids_equal"), name
         assert max(r.values()) < tol, (name, r)

@@ -18,10 +18,11 @@ from .moe_cases import CASES_BY_NAME, DIFFERENTIABLE, dense_oracle, gradcheck_op
 
 fused_moe = torch.ops.mok.fused_moe.default
 
-# One case per routing family (the selection bias and groups dropped: given ids leave nothing to choose).
+# One case per routing family (the selection bias and groups dropped: given ids leave nothing to choose), and sigmoid
+# scores of logits the op takes (router_is_logits: a top-k the op cannot compute kept in the graph, as AXK2's).
 GIVEN_CASES = [CASES_BY_NAME[n] for n in ("softmax_topk_renorm_scale_wdtype", "topk_softmax", "sigmoid_deepseek_v3",
                                           "topk_sigmoid_renorm_scale_wdtype", "sqrtsoftplus_deepseek_v4_bf16",
-                                          "clamped_silu_gpt_oss")]
+                                          "clamped_silu_gpt_oss", "sigmoid_logits_groups")]
 
 
 def _given(case, T=6, E=None, dtype=torch.float64, seed=0, requires_grad=False):

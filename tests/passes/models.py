@@ -270,15 +270,21 @@ class BiasedWeightsMoE(BiasedSoftmaxMoE):
 
 class ViewedScoresMoE(StackedGatherMoE):
     """The scores viewed to their own shape before the selection bias is added (``scores.view(-1, E) + bias``, as
-    LongCat-Flash's router and earlier DeepSeek-V3 code write it): the view changes nothing."""
+    LongCat-Flash's router and earlier DeepSeek-V3 code write it): the view changes nothing. `weights_from="choice"`:
+    the weights are the choice values gathered (a near miss)."""
+
+    def __init__(self, weights_from="scores", **kw):
+        super().__init__(**kw)
+        self.weights_from = weights_from
 
     def choice(self, scores):
         return scores.view(-1, self.router.shape[0]) + self.choice_bias
 
     def route(self, x):
         scores = F.linear(x, self.router).float().sigmoid()
-        ids = torch.topk(self.choice(scores), self.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, ids)
+        choice = self.choice(scores)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        w = (scores if self.weights_from == "scores" else choice).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
 
 
@@ -387,11 +393,12 @@ class SigmoidTopKMoE(StackedGatherMoE):
 
 class GroupLimitedMoE(StackedGatherMoE):
     """DeepSeek-V3's group-limited selection on sigmoid scores plus a selection bias: 4 groups, the best 2 by the
-    sum of their top `group_top` choices; the others filled with `fill` before the top-k."""
+    sum of their top `group_top` choices; the others filled with `fill` before the top-k. `weights_from="choice"`:
+    the weights are the biased choice values gathered, not the scores (a near miss)."""
 
-    def __init__(self, fill=float("-inf"), group_top=2, experts=16, **kw):
+    def __init__(self, fill=float("-inf"), group_top=2, experts=16, weights_from="scores", **kw):
         super().__init__(experts=experts, **kw)
-        self.fill, self.group_top = fill, group_top
+        self.fill, self.group_top, self.weights_from = fill, group_top, weights_from
 
     def route(self, x):
         scores = F.linear(x, self.router).float().sigmoid()
@@ -401,7 +408,7 @@ class GroupLimitedMoE(StackedGatherMoE):
         keep = torch.zeros_like(group).scatter(1, torch.topk(group, 2, dim=-1)[1], 1)
         keep = keep.unsqueeze(-1).expand(-1, 4, E // 4).reshape(-1, E)
         ids = torch.topk(choice.masked_fill(~keep.bool(), self.fill), self.top_k, dim=-1)[1]
-        w = scores.gather(1, ids)
+        w = (scores if self.weights_from == "scores" else choice).gather(1, ids)
         return w / w.sum(dim=-1, keepdim=True) * self.scale, ids.reshape(-1)
 
 

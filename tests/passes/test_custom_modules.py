@@ -204,9 +204,22 @@ def test_experts_on_two_activations_untouched():
     _assert_untouched(gm, example, report, eager, candidates=1)
 
 
-def test_scores_reshaped_across_tokens_untouched():
+def test_scores_reshaped_across_tokens_kept_in_the_graph():
+    """A choice that mixes tokens' scores (transposed to [E, T] and reshaped back) is no routing the op computes, and
+    the top-k alone cannot be fused ("found reshape"); but the weights are the scores gathered at its ids, so the
+    choice stays in the graph and the op takes its ids. (`ScrambledScoresMoE` with weights of the scrambled choice,
+    below, is the near miss.)"""
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.ScrambledScoresMoE(), torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    assert report.blocks[0].kept_selection
+    _kept_selection_op(gm)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+
+
+def test_scores_reshaped_across_tokens_weighted_by_them_untouched():
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.ScrambledScoresMoE(weights_from="choice"), torch.randn(24, 32))
     _assert_untouched(gm, example, report, eager, candidates=1)
     reason = report.rejected[0].reason
     assert "router logits do not come from a linear layer in this graph (found reshape" in reason, reason
@@ -346,16 +359,64 @@ def test_group_limited_selection_fused():
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
 
 
-@pytest.mark.parametrize("kw,reason", [
-    # With a selection bias a choice value can be negative: a 0 then outranks it, unlike the op's -inf.
-    (dict(fill=0.0), "fills the other groups with 0.0"),
-    (dict(group_top=3), "neither each group's largest value nor the sum of its top 2"),
-], ids=["zero_fill_under_a_bias", "top3_group_score"])
-def test_group_limited_selection_near_misses(kw, reason):
+def _kept_selection_op(gm):
+    """The op of a block fused with its selection kept: its expert ids are the graph's own top-k's."""
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    ids = op.kwargs["expert_ids"]
+    assert ids.target is operator.getitem and ids.args[1] == 1 and ids.args[0].target is torch.topk, gm.code
+    return op
+
+
+@pytest.mark.parametrize("kw,bias_shift", [(dict(fill=0.0), 0.0), (dict(fill=0.0), -1.0), (dict(group_top=3), 0.0)],
+                         ids=["zero_fill", "zero_fill_kept_scores_negative", "top3_group_score"])
+def test_group_limited_selection_the_op_cannot_make_fused_keeping_it(kw, bias_shift):
+    """Selections the op does not compute stay in the graph, and the op takes their ids (`expert_ids`) with the
+    sigmoid scores' gathered, renormalised, scaled weights. AXK2's router is DeepSeek-V3's group-limited selection
+    with the dropped groups filled with 0, where a selection bias can make kept choice values negative: a dropped
+    expert (0) then outranks a kept one, and dropped experts tie, so which of them is picked only torch.topk decides.
+    A group score of each group's top 3 is another selection the op has no form for."""
     torch.manual_seed(0)
-    gm, example, report, eager = _fuse(models.GroupLimitedMoE(**kw), torch.randn(24, 32))
+    module = models.GroupLimitedMoE(**kw)
+    with torch.no_grad():
+        module.choice_bias.add_(bias_shift)
+    x = torch.randn(24, 32)
+    gm, example, report, eager = _fuse(module, x)
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    block = report.blocks[0]
+    assert block.given_ids and block.kept_selection and "selection_kept" in describe_block(block)
+    spec = block.routing
+    assert (spec.routing, spec.n_group, spec.renormalize, spec.routed_scale) == ("sigmoid_grouped_topk", 1, True, 1.5)
+    assert spec.router_is_logits  # the selection reads the graph's logits: the op takes them
+    _kept_selection_op(gm)
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    if bias_shift:  # dropped experts, tied at 0, were chosen over kept ones: what no kernel's own top-k could match
+        with torch.no_grad():
+            choice = F.linear(x, module.router).float().sigmoid() + module.choice_bias
+            ids = module.route(x)[1].view(24, -1)
+        assert (choice.gather(1, ids) < 0).any()
+
+
+@pytest.mark.gpu
+def test_group_limited_selection_kept_in_the_graph_on_the_gpu():
+    """The kept selection on CUDA in bf16 (Triton kernels, the graph's own top-k's ids): fused, outputs as eager's,
+    with dropped experts (tied at 0) chosen."""
+    torch.manual_seed(0)
+    module = models.GroupLimitedMoE(fill=0.0).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        module.choice_bias.sub_(1.0)
+    gm, example, report, eager = _fuse(module, torch.randn(64, 32, device="cuda", dtype=torch.bfloat16))
+    assert [b.fused for b in report.blocks] == [True] and report.blocks[0].kept_selection, str(report)
+    _kept_selection_op(gm)
+    torch.testing.assert_close(run(gm, example)[0], eager, **BF16_TOL)
+
+
+def test_group_limited_selection_near_miss_weights_of_the_biased_choice():
+    """Near miss: a selection kept in the graph, but the weights gathered from the biased choice values, which the op
+    does not compute (its given ids take scores without a selection bias): untouched, with the top-k's reason."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.GroupLimitedMoE(fill=0.0, weights_from="choice"), torch.randn(24, 32))
     _assert_untouched(gm, example, report, eager, candidates=1)
-    assert reason in report.rejected[0].reason, report.rejected[0].reason
+    assert "fills the other groups with 0.0" in report.rejected[0].reason, report.rejected[0].reason
 
 
 def test_softmax_group_limited_gathered_fused():

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -260,6 +261,45 @@ def test_mistral4_block_fused(dtype, n_group):
         with torch.no_grad():
             logits, _, ids = block.gate(x.view(-1, 64))
             assert not torch.equal(ids.sort(-1)[0], logits.softmax(-1).topk(2)[1].sort(-1)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_axk2_block_fused_keeping_its_selection(dtype):
+    """AXK2MoE (transformers >= 5.25): DeepSeek-V3's group-limited selection under a selection bias, but the groups
+    it drops filled with 0. With the bias making kept choice values negative, dropped experts (tied at 0) outrank
+    kept ones, and which of the tied ones torch.topk picks it alone decides: the selection stays in the graph, and
+    the op takes its ids (`expert_ids`) and the logits, and weights them as AXK2 does (sigmoid scores gathered at
+    the ids, renormalised (+1e-20), scaled)."""
+    modeling = pytest.importorskip("transformers.models.axk2.modeling_axk2")
+    import transformers as tf
+
+    config = tf.AXK2Config(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_local_experts=8,
+                           num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    block = init_moe_weights_(modeling.AXK2MoE(config)).to(dtype).eval()
+    with torch.no_grad():
+        block.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1 - 0.6)
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    (graph,), eager = capture(block, x)
+    gm, example = graph
+    report = fuse_moe(gm, example)
+    assert [b.fused for b in report.blocks] == [True] and report.blocks[0].kept_selection, str(report)
+    routing = report.blocks[0].routing
+    assert (routing.routing, routing.n_group, routing.router_is_logits, routing.renorm_eps, routing.routed_scale) == (
+        "sigmoid_grouped_topk", 1, True, 1e-20, 2.5)
+    got = _output(run(gm, example))
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, eager)
+    torch.testing.assert_close(got, eager, **TOL[dtype])
+    with torch.no_grad():  # the 0 fill changed some token's choice against a fill with -inf, the op's own
+        logits, _, ids = block.gate(x.view(-1, 64))
+        choice = (logits.sigmoid() + block.gate.e_score_correction_bias).view(-1, 4, 2)
+        kept = choice.topk(2, dim=-1)[0].sum(-1).topk(2, dim=-1)[1]
+        dropped = torch.ones(10, 4, dtype=torch.bool).scatter(1, kept, False)
+        own = choice.masked_fill(dropped[..., None], -math.inf).view(-1, 8).topk(2, dim=-1)[1]
+        assert not torch.equal(ids.sort(-1)[0], own.sort(-1)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
