@@ -264,6 +264,12 @@ def graphed(step):
             step()
     except Exception as err:  # report, never hide: the row then shows nan
         print(f"  CUDA graph capture failed: {type(err).__name__}: {err}", flush=True)
+        if isinstance(err, torch.OutOfMemoryError) and "expandable_segments" not in os.environ.get(
+                "PYTORCH_CUDA_ALLOC_CONF", ""):
+            # DeepSeek-V3's fwd+bwd at T=4096 on an 80 GB card: the free memory sits in partly used segments of the
+            # caching allocator, which expandable segments let it use (NOTES v78 (2))
+            print("  (the caching allocator's free memory is fragmented: run with "
+                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)", flush=True)
         return None
 
     def replay():

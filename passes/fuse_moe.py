@@ -5,8 +5,9 @@ alone, as hash routing's lookup by token id) that the router's scores are gather
 find the block's nodes (`region`), read its routing (`routing`) and expert
 math (`experts`, `loop_experts`), decide which values survive (`rewrite.plan_rewrite`),
 prove the op computes the same thing on random inputs (`validate`), then
-rewrite (`rewrite.emit`). A block that fails any step is left untouched and
-reported with the reason; `strict=True` turns that into an error.
+rewrite (`rewrite.emit`). A top-k block that fails a step, whose ids the router's scores are gathered at, is tried
+once more with the top-k kept in the graph and its ids given (a choice the op cannot make, as AXK2's). A block that
+fails is left untouched and reported with the reason; `strict=True` turns that into an error.
 Graph fragments left by transformers' ``experts_implementation="eager"``
 (Dynamo breaks the graph at ``nonzero``) are reported by `eager_fragments`,
 expert GEMMs whose router is in another graph by `lone_experts`; a block whose

@@ -24,7 +24,9 @@ integers in any other way: a modulo hash, positions) and the router's scores gat
     table [vocab, K] ─ [input_ids] ─(long)─> ids ──────────────────┐ (an input of the block: the op's expert_ids)
     logits ─ sqrt(softplus) | softmax | sigmoid | - ─> gather(1, ids) ─> w0 ─> ... (as above)
 
-and the anchor is that gather.
+and the anchor is that gather. So is the gather at a top-k's ids where the op cannot make the top-k's choice (AXK2
+fills the groups it drops with 0 under a selection bias: `kept_selection_anchor`, which `fuse_moe` tries once the
+top-k's block fails): the choice stays in the graph, and its ids are given as hash routing's are.
 
 The anchor is a ``topk`` whose indices dispatch to experts: within the nodes
 reading them (not walking through a later ``topk``) there is a grouped matmul,
