@@ -1,8 +1,8 @@
 """MoE blocks the layer benchmark cannot call the op for directly, timed as a user runs them: compiled by inductor
 against `backend="mok"`, on the GPU.
 
-    python -m benchmarks.compiled_blocks [--families muse_spark,ergo,zaya] [--tokens 256,4096] [--rounds 3]
-        [--mode reduce-overhead]
+    python -m benchmarks.compiled_blocks [--families muse_spark,ergo,zaya,granitemoe,axk2] [--tokens 256,4096]
+        [--rounds 3] [--mode reduce-overhead]
 
 `benchmarks.moe_layer`'s "mok" column calls the op on the block's own router weight; these blocks have more around
 the op than it computes: Muse Spark's and Ergo's a post-expert RMSNorm (the op's `post_norm`), each from transformers
@@ -10,7 +10,9 @@ the op than it computes: Muse Spark's and Ergo's a post-expert RMSNorm (the op's
 that), I=2048, the norm weights around their identity; Zaya's an MLP router (on a 256-wide projection of the
 tokens) whose logits the op takes, at Zaya1's sizes (H=2048, I=2048, 16 experts and its skip expert, top-1); and,
 as the small-experts case among the blocks the layer benchmark does time, Granite-MoE's at Granite-3.0-1B-A400M's
-sizes (H=1024, I=512, 32 experts, top-8), where the op's host time exceeds its GPU time past 512 tokens too. bf16,
+sizes (H=1024, I=512, 32 experts, top-8), where the op's host time exceeds its GPU time past 512 tokens too; and
+AXK2's (transformers >= 5.25; H=2048, I=512, 128 experts, top-8, the best 4 of 8 groups), whose top-k stays in the
+graph with the op taking its ids (a choice the op cannot make: dropped groups filled with 0 under a selection bias). bf16,
 grouped_mm experts, random weights (std 0.02). Forward (no_grad) and forward+backward (loss = mean(out^2); x and
 every parameter requiring grad), medians of `do_bench` over --rounds rounds, the order reversed every other round,
 and the same for calls back to back ("loop": 20 calls between two CUDA events, as a training loop runs them; where a
@@ -45,6 +47,9 @@ FAMILIES = {
     "ergo": (POST_NORM_SIZES, {}),
     "zaya": (hf_blocks.BlockSizes(hidden=2048, intermediate=2048, experts=16, top_k=1), {"router_hidden_size": 256}),
     "granitemoe": (hf_blocks.BlockSizes(hidden=1024, intermediate=512, experts=32, top_k=8), {}),
+    # AXK2's default sizes with its group-limited selection on (8 groups, the best 4): the op takes the ids of the
+    # selection kept in the graph.
+    "axk2": (hf_blocks.BlockSizes(hidden=2048, intermediate=512, experts=128, top_k=8), {"n_group": 8, "topk_group": 4}),
 }
 
 

@@ -50,7 +50,7 @@ IDENTITY_FAMILIES = ("longcat_flash",)
 # op's router argument. Whole models (`make_causal_lm`) and its block in the pass tests.
 ZERO_FAMILIES = ("zaya",)
 # The first transformers whose form of a family the op and the pass cover, where it is not the oldest supported.
-_SINCE = {"longcat_flash": (5, 25), "zaya": (5, 25)}
+_SINCE = {"longcat_flash": (5, 25), "zaya": (5, 25), "axk2": (5, 25)}
 # Families whose router and experts are separate modules of the decoder layer, with no MoE block class: whole models
 # only (`make_causal_lm`). Gemma 4 (its router's per-expert weight scale is the op's `expert_scale`).
 LAYER_FAMILIES = ("gemma4",)
@@ -59,8 +59,13 @@ LAYER_FAMILIES = ("gemma4",)
 # tokens, so the logits are the op's router argument) and Ergo (an RMSNorm per expert; in bf16 its routing weights are
 # rounded to bf16 and widened again: the op's round_weights). Blocks and text models.
 POST_NORM_FAMILIES = ("muse_spark", "ergo")
+# Families whose top-k the op cannot compute, fused with the selection kept in the graph (the op takes its ids,
+# `passes.region.kept_selection_anchor`): AXK2 (transformers 5.25) fills the groups its group-limited selection drops
+# with 0 under a selection bias. Whole models, the pass tests and `benchmarks.compiled_blocks`; the op alone cannot
+# be called on its block (tests/ops, `benchmarks.moe_layer`).
+KEPT_SELECTION_FAMILIES = ("axk2",)
 # Families whose router HF keeps in fp32 in a bf16 model (`_keep_in_fp32_modules_strict`), selection bias included.
-FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2", "ergo")
+FP32_ROUTER_FAMILIES = ("deepseek_v3", "ernie4_5_moe", "deepseek_v2", "inkling2", "ergo", "axk2")
 # Families whose selection bias alone HF keeps in fp32 in a bf16 model.
 FP32_SELECTION_BIAS_FAMILIES = ("deepseek_v4",)
 
@@ -163,6 +168,16 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
         # Every layer MoE (no leading dense layers), a shared expert of size I.
         cfg = tf.ErgoConfig(moe_intermediate_size=I, shared_intermediate_size=I, first_dense_intermediate_size=2 * I,
                             num_dense_blocks=0, num_experts=E, head_dim=H // 4, sliding_window=32, **common)
+    elif family == "axk2":
+        # Group-limited selection (4 groups, the best 2 unless overridden), MLA and a sparse-attention indexer at tiny
+        # sizes, every layer sparse, one shared expert (outside the op).
+        cfg = tf.AXK2Config(
+            hidden_size=H, intermediate_size=2 * I, moe_intermediate_size=I, n_routed_experts=E, n_group=4,
+            topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, num_hidden_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, head_dim=8, index_topk=8, index_head_dim=16, index_n_heads=2,
+            mlp_layer_types=["sparse"] * num_layers, vocab_size=128, max_position_embeddings=256,
+            num_experts_per_tok=K, bos_token_id=1, eos_token_id=2)
     elif family == "phimoe":
         # Its sparsemixer's threshold 2 * router_jitter_noise at 0.1 rather than PhiMoE's 0.01, so that each round's
         # softmax keeps some other experts (and the router a gradient) at tiny random weights, and drops others.
@@ -175,7 +190,8 @@ def make_config(family: str, sizes: BlockSizes = BlockSizes(), num_layers: int =
                                   head_dim=H // 4, interleave_moe_layer_step=1, moe_layers=list(range(num_layers)),
                                   no_rope_layers=[1] * num_layers, attention_chunk_size=64, **common)
     else:
-        known = ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES + ZERO_FAMILIES + POST_NORM_FAMILIES
+        known = (ALL_FAMILIES + NEWER_FAMILIES + LAYER_FAMILIES + IDENTITY_FAMILIES + ZERO_FAMILIES + POST_NORM_FAMILIES
+                 + KEPT_SELECTION_FAMILIES)
         raise ValueError(f"unknown family {family!r}; choose from {known}")
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -212,6 +228,7 @@ def _block_class(family: str):
         "qwen3_moe": "Qwen3MoeSparseMoeBlock",
         "olmoe": "OlmoeSparseMoeBlock",
         "deepseek_v3": "DeepseekV3MoE",
+        "axk2": "AXK2MoE",
         "gpt_oss": "GptOssMLP",
         "granitemoe": "GraniteMoeMoE",
         "llama4": "Llama4TextMoe",

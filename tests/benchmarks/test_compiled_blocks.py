@@ -9,8 +9,8 @@ from mok_compile import hf_blocks
 
 def test_each_family_builds_at_its_sizes():
     """Each family's block (on the meta device, as the benchmark's config makes it) has its experts' count and
-    intermediate size, and Zaya's router projection the width the benchmark gives it (256, Zaya1's; the tests'
-    configs use another)."""
+    intermediate size, Zaya's router projection the width the benchmark gives it (256, Zaya1's; the tests' configs use
+    another), and AXK2's groups the benchmark's."""
     built = 0
     for family, (sizes, overrides) in FAMILIES.items():
         if hf_blocks.available([family]) != (family,):
@@ -22,6 +22,8 @@ def test_each_family_builds_at_its_sizes():
         assert down.shape[0] == sizes.experts and sizes.intermediate in down.shape[1:], (family, down.shape)
         if family == "zaya":
             assert block.gate.down_proj.out_features == 256 and block.gate.num_router_classes == sizes.experts + 1
+        if family == "axk2":  # its group-limited selection on, with real DeepSeek-V3's groups
+            assert (block.gate.num_group, block.gate.topk_group) == (8, 4)
         built += 1
     if not built:
         pytest.skip("these blocks are in transformers from 5.25 on")
