@@ -695,6 +695,45 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
                   f"found no combined [tokens, hidden] output of the experts computing on {activation}")
 
 
+class _ComputedWeights:
+    """Expert (or router) weights the graph computes, after the block's activation input, from module state alone:
+    parameters and buffers (a parametrization with `torch.nn.utils.parametrize`, a LoRA delta ``W + B @ A``, a
+    weight norm, a dequantising scale). They stay in the graph as inputs of the block, as the weights they replace
+    would be; the op reads what they give, and its weight gradients reach the parameters through them. A node is one
+    where it computes (no view, cast or factory: the matchers read those as the layout of a block's weights), gives a
+    floating-point tensor of 2 or more dimensions, and reads, through nodes placed after the activation input, only
+    module state (`_is_module_state`) and sizes, none of `excluded` (the logits or given ids a block takes).
+    Memoised, and bounded by the activation input's position, so a block costs what its neighbourhood holds."""
+
+    def __init__(self, flow: Dataflow, root: fx.Node, excluded: set[fx.Node]):
+        self.flow, self.start, self.excluded = flow, flow.order[root], excluded | {root}
+        self.known: dict[fx.Node, bool] = {}
+
+    def _reads_module_state_only(self, n: fx.Node) -> bool:
+        """Whether `n` is module state, not excluded, or computed from such (and sizes) after the activation input."""
+        if n in self.known:
+            return self.known[n]
+        if n in self.excluded:
+            verdict = False
+        elif n.op in ("placeholder", "get_attr"):
+            verdict = n.op == "get_attr" or _is_module_state(n)
+        elif _is_source(n):  # a size
+            verdict = False
+        else:
+            sizes = {i for i in self.flow.inputs(n) if _is_source(i) and i.op not in ("placeholder", "get_attr")}
+            tensors = [i for i in self.flow.inputs(n) if i not in sizes]
+            verdict = (self.flow.order.get(n, -1) > self.start and bool(tensors)
+                       and all(self._reads_module_state_only(i) for i in tensors))
+        self.known[n] = verdict
+        return verdict
+
+    def __contains__(self, n: fx.Node) -> bool:
+        if n.op not in ("call_function", "call_method") or op_name(n) in LAYOUT_OPS | _FACTORIES:
+            return False
+        meta = tensor_meta(n)
+        return meta is not None and meta.is_floating_point() and meta.dim() >= 2 and self._reads_module_state_only(n)
+
+
 class _RegionSearch:
     """The candidate outputs of one anchor's block tried, latest first, for a given activation input."""
 
@@ -718,7 +757,8 @@ class _RegionSearch:
         others = [a for a, _ in self.anchors if a is not anchor and flow.order.get(a, latest) < latest and a in clean]
         later_blocks = flow.forward_slice(others, within=clean)
         candidates = [c for c in candidates if c not in later_blocks]
-        is_input = lambda n: _is_source(n) or (given and n is ids) or n in outside  # noqa: E731
+        computed = _ComputedWeights(flow, root, outside | ({ids} if given else set()))
+        is_input = lambda n: _is_source(n) or (given and n is ids) or n in outside or n in computed  # noqa: E731
         stop = lambda n: is_input(n) or n is root  # noqa: E731
         routing_side = flow.backward_slice([anchor], stop)
         for out in candidates[:64]:
@@ -768,6 +808,12 @@ def _is_parameter(n: fx.Node) -> bool:
     """A graph input that Dynamo took from an `nn.Parameter` (its example value is one): a weight, never an
     activation (a module compiled alone takes its activation as a placeholder, as it takes its weights)."""
     return isinstance(n.meta.get("example_value", n.meta.get("val")), torch.nn.Parameter)
+
+
+def _is_module_state(n: fx.Node) -> bool:
+    """A graph input that Dynamo took from a module's parameters or buffers (it marks those as static inputs), never
+    an activation; in a graph from elsewhere, parameters only."""
+    return _is_parameter(n) or bool(n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
 
 
 def _token_rows(n: fx.Node, T) -> bool:

@@ -137,6 +137,45 @@ def test_axk2_trains_fused_keeping_its_selection():
         assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
 
 
+class LoraDelta(torch.nn.Module):
+    """A LoRA delta on stacked expert weights as a parametrization: W + B @ A, per expert (rank 4)."""
+
+    def __init__(self, weight, rank=4):
+        super().__init__()
+        E, rows, cols = weight.shape
+        self.A = torch.nn.Parameter(torch.randn(E, rank, cols, dtype=weight.dtype) * 0.1)
+        self.B = torch.nn.Parameter(torch.randn(E, rows, rank, dtype=weight.dtype) * 0.1)
+
+    def forward(self, weight):
+        return weight + self.B @ self.A
+
+
+def _lora_parametrized(model):
+    from torch.nn.utils import parametrize
+
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            parametrize.register_parametrization(experts, name, LoraDelta(getattr(experts, name)))
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_parametrized_expert_weights_train_fused(family):
+    """Expert weights computed in the graph from parameters (a LoRA delta registered with
+    `torch.nn.utils.parametrize`): the computation stays in the graph and the op takes its result, so every layer
+    fuses; logits, loss and every gradient (the original weights' and both LoRA factors') as eager's."""
+    _check_step(_lora_parametrized(tiny_model(family)), torch.float32, train=True)
+
+
+@pytest.mark.gpu
+def test_parametrized_expert_weights_train_fused_on_the_gpu():
+    """The same in bf16 on CUDA (the Triton kernels, whose few-token graphs read the computed weights at their
+    addresses): within bf16 rounding of eager's step."""
+    model = _lora_parametrized(tiny_model("qwen3_moe", torch.bfloat16)).cuda()
+    _check_step(model, torch.bfloat16, train=True, device="cuda", tol=dict(logits=1e-2, grads=BF16_GRAD_TOL))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gemma4_trains_fused(dtype):
     """Gemma 4: each layer's router (on its own normalisation of the residual) and experts are separate modules,

@@ -150,6 +150,34 @@ class StackedGatherMoE(nn.Module):
         return y.sum(dim=1)
 
 
+class ComputedWeightsMoE(StackedGatherMoE):
+    """The expert weights computed in the forward: per-expert scales of the stored weights (a weight norm's
+    ``g * v``) and a LoRA delta on the down projection, ``W + B @ A``. `scaled_by`: "parameters" (both computed from
+    parameters alone), "buffer" (the scale a buffer, as a dequantising scale is) or "activation" (the gate_up weight
+    also scaled by a statistic of the tokens: a near miss)."""
+
+    def __init__(self, scaled_by="parameters", **kw):
+        super().__init__(**kw)
+        E, rows, _ = self.w_in.shape
+        self.scaled_by = scaled_by
+        scale = torch.rand(E, rows, 1) + 0.5
+        if scaled_by == "buffer":
+            self.register_buffer("in_scale", scale)
+        else:
+            self.in_scale = nn.Parameter(scale)
+        self.lora_a = nn.Parameter(torch.randn(E, 2, self.w_out.shape[2]) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(E, self.w_out.shape[1], 2) * 0.1)
+
+    def experts(self, xs, flat):
+        w_in = self.w_in * self.in_scale
+        if self.scaled_by == "activation":
+            w_in = w_in * xs.abs().mean()
+        w_out = self.w_out + self.lora_b @ self.lora_a
+        h = torch.bmm(w_in[flat], xs.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        return torch.bmm(w_out[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
 class Fp32SwiGLUMoE(StackedGatherMoE):
     """Beam's experts: the SwiGLU in fp32, rounded once, ``(silu(g.float()) * u.float()).to(h.dtype)`` (in `wide`;
     `silu_rounded_to`: a dtype the silu value is rounded to before the product)."""

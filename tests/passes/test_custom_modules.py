@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from mok_compile.diagnostics import describe_block
 from mok_compile.passes import MoeFusionError, fuse_moe
-from mok_compile.passes.op_names import tensor_meta
+from mok_compile.passes.op_names import op_name, tensor_meta
 
 from . import models
 from .helpers import capture, count_fused, ops_in, run
@@ -202,6 +202,40 @@ def test_experts_on_two_activations_untouched():
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.TwoActivationExpertsMoE(), torch.randn(24, 32), torch.randn(24, 32))
     _assert_untouched(gm, example, report, eager, candidates=1)
+
+
+@pytest.mark.parametrize("scaled_by", ["parameters", "buffer"])
+def test_expert_weights_computed_from_parameters_fused(scaled_by):
+    """Expert weights the forward computes from parameters (scaled, by a parameter or a buffer, and with a LoRA
+    delta) stay in the graph: the op takes the computed weights, and its weight gradients reach the parameters
+    through them."""
+    torch.manual_seed(0)
+    module = models.ComputedWeightsMoE(scaled_by=scaled_by)
+    gm, example, report, eager = _fuse(module, torch.randn(24, 32))
+    assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    gate_up, down = op.args[4], op.args[6]
+    assert (op_name(gate_up), op_name(down)) == ("mul", "add"), gm.code  # computed in the graph, before the op
+    torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
+    x = torch.randn(24, 32, requires_grad=True)
+    at = [i for i, e in enumerate(example) if not isinstance(e, torch.nn.Parameter)]
+    params = [e for e in example if isinstance(e, torch.nn.Parameter)]
+    assert len(at) == 1 + (scaled_by == "buffer") and len(params) == 7 - (scaled_by == "buffer")
+    at = at[:1]
+    grads = []
+    for call in (lambda: _first(gm(*[x if i == at[0] else e for i, e in enumerate(example)])), lambda: module(x)):
+        grads.append(torch.autograd.grad(call().pow(2).sum(), [x, *params], allow_unused=True))
+    assert sum(g is not None for g in grads[1]) == len(params)  # all but the selection bias's, which only chooses
+    for fused, eager_grad in zip(*grads):
+        torch.testing.assert_close(fused, eager_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_weights_computed_from_the_tokens_untouched():
+    """Near miss: a weight scaled by a statistic of the block's tokens is no weight computed before the block."""
+    torch.manual_seed(0)
+    gm, example, report, eager = _fuse(models.ComputedWeightsMoE(scaled_by="activation"), torch.randn(24, 32))
+    _assert_untouched(gm, example, report, eager, candidates=1)
+    assert "computed without the router, joins the routed output" in report.rejected[0].reason
 
 
 def test_scores_reshaped_across_tokens_kept_in_the_graph():
