@@ -62,6 +62,17 @@ def test_llama4_dense_moe_fused(train, dtype):
     _check_step(tiny_llama4(dtype), dtype, train=train)
 
 
+def _step_where_used(model, ids, fn):
+    """(logits, loss, gradients) of one training step of `model` run by `fn`, as `forward` but with the gradients of
+    the parameters that got one only (a model whose parts go unused at this size)."""
+    model.zero_grad(set_to_none=True)
+    model.train()
+    out = fn(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {
+        n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_deepseek_v4_trains_fused():
     """DeepSeek-V4 (transformers >= 5.25) with a hash-routed first layer (its table naming some expert twice in a
     row) and two learned-router layers: all three fused, the hash layer with its looked-up ids as the op's
@@ -81,16 +92,9 @@ def test_deepseek_v4_trains_fused():
     ids = token_ids()
     assert (table[ids.flatten(), 0] == table[ids.flatten(), 1]).any()
 
-    def step(fn):  # as `forward`, but at 16 tokens the attention's compressor (and its weights) is not used
-        model.zero_grad(set_to_none=True)
-        model.train()
-        out = fn(ids, labels=ids)
-        out.loss.backward()
-        return out.logits.detach(), out.loss.detach(), {
-            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    want_logits, want_loss, want_grads = step(model)
-    got_logits, got_loss, got_grads = step(torch.compile(model, backend="mok", options=AOT))
+    # At 16 tokens the attention's compressor (and its weights) is not used.
+    want_logits, want_loss, want_grads = _step_where_used(model, ids, model)
+    got_logits, got_loss, got_grads = _step_where_used(model, ids, torch.compile(model, backend="mok", options=AOT))
     assert (counters["mok"]["fused_moe"], counters["mok"]["rejected_moe"]) == (3, 0), dict(counters["mok"])
     assert sum(".mlp.experts." in n or ".mlp.gate." in n for n in want_grads) == 9  # every layer's router and experts
     assert torch.equal(got_logits, want_logits) and torch.equal(got_loss, want_loss)
@@ -118,16 +122,9 @@ def test_axk2_trains_fused_keeping_its_selection():
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1 - 0.6)
     ids = token_ids()
 
-    def step(fn):  # as `forward`, but the attention's indexer, which only selects keys, gets no gradient
-        model.zero_grad(set_to_none=True)
-        model.train()
-        out = fn(ids, labels=ids)
-        out.loss.backward()
-        return out.logits.detach(), out.loss.detach(), {
-            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    want_logits, want_loss, want_grads = step(model)
-    got_logits, got_loss, got_grads = step(torch.compile(model, backend="mok", options=AOT))
+    # The attention's indexer, which only selects keys, gets no gradient.
+    want_logits, want_loss, want_grads = _step_where_used(model, ids, model)
+    got_logits, got_loss, got_grads = _step_where_used(model, ids, torch.compile(model, backend="mok", options=AOT))
     assert (counters["mok"]["fused_moe"], counters["mok"]["rejected_moe"]) == (NUM_LAYERS, 0), dict(counters["mok"])
     assert sum(".mlp.experts." in n or ".mlp.gate." in n for n in want_grads) == 3 * NUM_LAYERS
     assert_close_rel(got_logits, want_logits, TOL[torch.float32]["logits"], "logits")

@@ -177,15 +177,20 @@ def test_router_on_another_input_fused_with_its_logits(router_input):
     op = next(n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default)
     assert op.args[1].op != "placeholder" and tuple(tensor_meta(op.args[1]).shape) == (24, 8)  # the logits
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
-    x = torch.randn(24, 32, requires_grad=True)
-    at = [i for i, e in enumerate(example) if not isinstance(e, torch.nn.Parameter)]
-    assert len(at) == 1
+    _check_gradients(gm, example, module)
+
+
+def _check_gradients(gm, example, module) -> list:
+    """The gradients of x (the graph's first input) and of every parameter through the fused graph equal eager's
+    (fp32); returns eager's ([d x, d params...], None where a parameter gets none)."""
+    x = torch.randn(*example[0].shape, requires_grad=True)
     params = [e for e in example if isinstance(e, torch.nn.Parameter)]
     grads = []
-    for call in (lambda: _first(gm(*[x if i == at[0] else e for i, e in enumerate(example)])), lambda: module(x)):
+    for call in (lambda: _first(gm(x, *example[1:])), lambda: module(x)):
         grads.append(torch.autograd.grad(call().pow(2).sum(), [x, *params], allow_unused=True))
     for fused, eager_grad in zip(*grads):
         torch.testing.assert_close(fused, eager_grad, atol=1e-5, rtol=1e-5)
+    return grads[1]
 
 
 def test_separate_router_input_with_a_tall_parameter_after_fused():
@@ -217,46 +222,22 @@ def test_expert_weights_computed_from_parameters_fused(scaled_by):
     gate_up, down = op.args[4], op.args[6]
     assert (op_name(gate_up), op_name(down)) == ("mul", "add"), gm.code  # computed in the graph, before the op
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
-    x = torch.randn(24, 32, requires_grad=True)
-    at = [i for i, e in enumerate(example) if not isinstance(e, torch.nn.Parameter)]
-    params = [e for e in example if isinstance(e, torch.nn.Parameter)]
-    assert len(at) == 1 + (scaled_by == "buffer") and len(params) == 7 - (scaled_by == "buffer")
-    at = at[:1]
-    grads = []
-    for call in (lambda: _first(gm(*[x if i == at[0] else e for i, e in enumerate(example)])), lambda: module(x)):
-        grads.append(torch.autograd.grad(call().pow(2).sum(), [x, *params], allow_unused=True))
-    assert sum(g is not None for g in grads[1]) == len(params)  # all but the selection bias's, which only chooses
-    for fused, eager_grad in zip(*grads):
-        torch.testing.assert_close(fused, eager_grad, atol=1e-5, rtol=1e-5)
-
-
-def test_expert_weights_computed_from_the_tokens_untouched():
-    """Near miss: a weight scaled by a statistic of the block's tokens is no weight computed before the block."""
-    torch.manual_seed(0)
-    gm, example, report, eager = _fuse(models.ComputedWeightsMoE(scaled_by="activation"), torch.randn(24, 32))
-    _assert_untouched(gm, example, report, eager, candidates=1)
-    assert "computed without the router, joins the routed output" in report.rejected[0].reason
+    grads = _check_gradients(gm, example, module)
+    # x's, and every parameter's but the selection bias's (which only chooses): the scale's too, where a parameter
+    assert sum(g is not None for g in grads) == 7 - (scaled_by == "buffer")
 
 
 def test_scores_reshaped_across_tokens_kept_in_the_graph():
     """A choice that mixes tokens' scores (transposed to [E, T] and reshaped back) is no routing the op computes, and
     the top-k alone cannot be fused ("found reshape"); but the weights are the scores gathered at its ids, so the
-    choice stays in the graph and the op takes its ids. (`ScrambledScoresMoE` with weights of the scrambled choice,
-    below, is the near miss.)"""
+    choice stays in the graph and the op takes its ids (its near miss, weighted by the scrambled choice, is in
+    `test_kept_selection_and_computed_weights_near_misses`)."""
     torch.manual_seed(0)
     gm, example, report, eager = _fuse(models.ScrambledScoresMoE(), torch.randn(24, 32))
     assert [b.fused for b in report.blocks] == [True] and count_fused(gm) == 1, str(report)
     assert report.blocks[0].kept_selection
     _kept_selection_op(gm)
     torch.testing.assert_close(run(gm, example)[0], eager, **TOL)
-
-
-def test_scores_reshaped_across_tokens_weighted_by_them_untouched():
-    torch.manual_seed(0)
-    gm, example, report, eager = _fuse(models.ScrambledScoresMoE(weights_from="choice"), torch.randn(24, 32))
-    _assert_untouched(gm, example, report, eager, candidates=1)
-    reason = report.rejected[0].reason
-    assert "router logits do not come from a linear layer in this graph (found reshape" in reason, reason
 
 
 def _check_fp32_mm_router(report, gm):
@@ -444,13 +425,21 @@ def test_group_limited_selection_kept_in_the_graph_on_the_gpu():
     torch.testing.assert_close(run(gm, example)[0], eager, **BF16_TOL)
 
 
-def test_group_limited_selection_near_miss_weights_of_the_biased_choice():
-    """Near miss: a selection kept in the graph, but the weights gathered from the biased choice values, which the op
-    does not compute (its given ids take scores without a selection bias): untouched, with the top-k's reason."""
+@pytest.mark.parametrize("make,reason", [
+    (lambda: models.GroupLimitedMoE(fill=0.0, weights_from="choice"), "fills the other groups with 0.0"),
+    (lambda: models.ScrambledScoresMoE(weights_from="choice"),
+     "router logits do not come from a linear layer in this graph (found reshape"),
+    (lambda: models.ComputedWeightsMoE(scaled_by="activation"), "computed without the router, joins the routed output"),
+], ids=["zero_fill_weights_of_the_choice", "scrambled_weights_of_the_choice", "weights_scaled_by_the_tokens"])
+def test_kept_selection_and_computed_weights_near_misses(make, reason):
+    """Near misses, untouched: a selection the op cannot make, kept in the graph, but weights gathered from the
+    biased (or scrambled) choice values, which the op does not compute (its given ids take unbiased scores), with the
+    top-k's own reason; and an expert weight scaled by a statistic of the block's tokens, which is no weight computed
+    before the block."""
     torch.manual_seed(0)
-    gm, example, report, eager = _fuse(models.GroupLimitedMoE(fill=0.0, weights_from="choice"), torch.randn(24, 32))
+    gm, example, report, eager = _fuse(make(), torch.randn(24, 32))
     _assert_untouched(gm, example, report, eager, candidates=1)
-    assert "fills the other groups with 0.0" in report.rejected[0].reason, report.rejected[0].reason
+    assert reason in report.rejected[0].reason, report.rejected[0].reason
 
 
 def test_softmax_group_limited_gathered_fused():
