@@ -1,8 +1,8 @@
 """MoE blocks the layer benchmark cannot call the op for directly, timed as a user runs them: compiled by inductor
 against `backend="mok"`, on the GPU.
 
-    python -m benchmarks.compiled_blocks [--families muse_spark,ergo,zaya,granitemoe,axk2] [--tokens 256,4096]
-        [--rounds 3] [--mode reduce-overhead]
+    python -m benchmarks.compiled_blocks [--families muse_spark,ergo,zaya,granitemoe,axk2,qwen3_moe]
+        [--tokens 256,4096] [--rounds 3] [--mode reduce-overhead] [--lora-rank R]
 
 `benchmarks.moe_layer`'s "mok" column calls the op on the block's own router weight; these blocks have more around
 the op than it computes: Muse Spark's and Ergo's a post-expert RMSNorm (the op's `post_norm`), each from transformers
@@ -12,18 +12,20 @@ tokens) whose logits the op takes, at Zaya1's sizes (H=2048, I=2048, 16 experts 
 as the small-experts case among the blocks the layer benchmark does time, Granite-MoE's at Granite-3.0-1B-A400M's
 sizes (H=1024, I=512, 32 experts, top-8), where the op's host time exceeds its GPU time past 512 tokens too; and
 AXK2's (transformers >= 5.25; H=2048, I=512, 128 experts, top-8, the best 4 of 8 groups), whose top-k stays in the
-graph with the op taking its ids (a choice the op cannot make: dropped groups filled with 0 under a selection bias). bf16,
-grouped_mm experts, random weights (std 0.02). Forward (no_grad) and forward+backward (loss = mean(out^2); x and
-every parameter requiring grad), medians of `do_bench` over --rounds rounds, the order reversed every other round,
-and the same for calls back to back ("loop": 20 calls between two CUDA events, as a training loop runs them; where a
-step's host time exceeds its GPU time that is the host's time, which `do_bench`'s cache flush before each call
-partly hides); printed as ms and the compiled baseline's time over mok's (x), with mok's and the compiled baseline's
-relative errors (norms) against HF's eager output (forward rows) and gradients (fwd+bwd rows: the largest over x and
-the parameters), and the peak memory of one forward+backward (`moe_layer.peak_bytes`, GB above what was allocated
-before it) of HF's eager block, the compiled baseline and mok; then the op's own CUDA graphs that T left cached
-(`mok_compile.kernels.graphs`) and the buffers they keep, memory the peak does not show. --mode is torch.compile's
-for both compiled columns: "reduce-overhead" replays CUDA graphs on both sides, which takes most of the host's time
-out where the block's GPU work is less than it (Zaya's at top-1).
+graph with the op taking its ids (a choice the op cannot make: dropped groups filled with 0 under a selection bias);
+and Qwen3-30B-A3B's, for --lora-rank: a LoRA delta on every block's expert weights, registered with
+`torch.nn.utils.parametrize` as parametrization-based LoRA fine-tuning does, which both sides compute in each call
+(the op takes the computed weights). bf16, grouped_mm experts, random weights (std 0.02). Forward (no_grad) and
+forward+backward (loss = mean(out^2); x and every parameter requiring grad), medians of `do_bench` over --rounds
+rounds, the order reversed every other round, and the same for calls back to back ("loop": 20 calls between two CUDA
+events, as a training loop runs them; where a step's host time exceeds its GPU time that is the host's time, which
+`do_bench`'s cache flush before each call partly hides); printed as ms and the compiled baseline's time over mok's
+(x), with mok's and the compiled baseline's relative errors (norms) against HF's eager output (forward rows) and
+gradients (fwd+bwd rows: the largest over x and the parameters), and the peak memory of one forward+backward
+(`moe_layer.peak_bytes`, GB above what was allocated before it) of HF's eager block, the compiled baseline and mok;
+then the op's own CUDA graphs that T left cached (`mok_compile.kernels.graphs`) and the buffers they keep, memory the
+peak does not show. --mode is torch.compile's for both compiled columns: "reduce-overhead" replays CUDA graphs on both
+sides, which takes most of the host's time out where the block's GPU work is less than it (Zaya's at top-1).
 """
 
 import argparse
@@ -47,6 +49,8 @@ FAMILIES = {
     "ergo": (POST_NORM_SIZES, {}),
     "zaya": (hf_blocks.BlockSizes(hidden=2048, intermediate=2048, experts=16, top_k=1), {"router_hidden_size": 256}),
     "granitemoe": (hf_blocks.BlockSizes(hidden=1024, intermediate=512, experts=32, top_k=8), {}),
+    # Qwen3-30B-A3B's layer, which `benchmarks.moe_layer` times too: here for --lora-rank (LoRA fine-tuning).
+    "qwen3_moe": (hf_blocks.BlockSizes(hidden=2048, intermediate=768, experts=128, top_k=8), {}),
     # AXK2's default sizes with its group-limited selection on (8 groups, the best 4): the op takes the ids of the
     # selection kept in the graph.
     "axk2": (hf_blocks.BlockSizes(hidden=2048, intermediate=512, experts=128, top_k=8), {"n_group": 8, "topk_group": 4}),
@@ -76,13 +80,15 @@ def _norm_weights_near_identity_(block):
         norm.weight.copy_(torch.randn_like(norm.weight) * 0.1 + (1.0 if norm.weight.dim() == 2 else 0.0))
 
 
-def run_family(family, tokens, rounds, mode=None):
+def run_family(family, tokens, rounds, mode=None, lora_rank=0):
     torch._dynamo.reset()
     sizes, overrides = FAMILIES[family]
     block = build_block(family, sizes, overrides)
     post = family in hf_blocks.POST_NORM_FAMILIES
     if post:
         _norm_weights_near_identity_(block)
+    if lora_rank:
+        hf_blocks.add_expert_lora_(block, lora_rank, std=0.02)
     eager = _eager(block)
     params = [p for p in block.parameters() if p.requires_grad]
     runners = _runners(block, mode)
@@ -159,6 +165,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mode", default=None, help='torch.compile mode of both compiled columns, e.g. '
                                                      '"reduce-overhead"')
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="a LoRA delta of this rank on each block's expert weights (torch.nn.utils.parametrize, "
+                             "`hf_blocks.add_expert_lora_`), as LoRA fine-tuning computes them: W + B @ A each call")
     args = parser.parse_args(argv)
     families = args.families.split(",")
     unknown = set(families) - set(FAMILIES)
@@ -170,11 +179,12 @@ def main(argv=None):
     for family in families:
         print(f"{family}: {FAMILIES[family][0]}")
     print(f"bf16 (ms, medians of {args.rounds} rounds; x = hf+comp / mok+comp; compile mode {args.mode}; "
-          f"'loop' columns: back-to-back calls)")
+          f"'loop' columns: back-to-back calls" + (f"; LoRA rank {args.lora_rank} on the expert weights)"
+                                                   if args.lora_rank else ")"))
     print(f"{'family':>10} {'T':>6} {'pass':>8} {'hf+comp':>9} {'mok+comp':>9} {'x':>6} {'hf loop':>9} {'mok loop':>9}"
           f" {'x loop':>6} {'mok err':>9} {'comp err':>9} {'GB eager':>8} {'GB comp':>8} {'GB mok':>8}")
     for family in families:
-        run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds, args.mode)
+        run_family(family, [int(t) for t in args.tokens.split(",")], args.rounds, args.mode, args.lora_rank)
 
 
 if __name__ == "__main__":

@@ -269,6 +269,38 @@ def init_moe_weights_(module: torch.nn.Module, std: float = 0.02, seed: int = 0)
     return module
 
 
+class LoraDelta(torch.nn.Module):
+    """A LoRA delta on stacked expert weights [E, rows, cols] as a parametrization: W + B @ A per expert, with
+    factors A [E, rank, cols] and B [E, rows, rank] drawn at `std` (B too, unlike LoRA's zeros, so that the delta
+    and every gradient are non-zero), in W's dtype and on its device."""
+
+    def __init__(self, weight: torch.Tensor, rank: int, std: float, generator: torch.Generator):
+        super().__init__()
+        E, rows, cols = weight.shape
+
+        def draw(*shape):
+            return torch.nn.Parameter((torch.randn(*shape, generator=generator) * std).to(weight.device, weight.dtype))
+
+        self.A, self.B = draw(E, rank, cols), draw(E, rows, rank)
+
+    def forward(self, weight):
+        return weight + self.B @ self.A
+
+
+def add_expert_lora_(module: torch.nn.Module, rank: int = 4, std: float = 0.1, seed: int = 0) -> int:
+    """Registers a `LoraDelta` (`torch.nn.utils.parametrize`) on both stacked weights (`gate_up_proj`, `down_proj`) of
+    every experts module in `module`, as parametrization-based LoRA fine-tuning does; returns how many modules."""
+    from torch.nn.utils import parametrize
+
+    gen = torch.Generator().manual_seed(seed)
+    experts = [m for m in module.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
+               and getattr(m, "gate_up_proj").dim() == 3]
+    for m in experts:
+        for name in ("gate_up_proj", "down_proj"):
+            parametrize.register_parametrization(m, name, LoraDelta(getattr(m, name), rank, std, gen))
+    return len(experts)
+
+
 def make_block(family: str, sizes: BlockSizes = BlockSizes(), dtype=torch.float32, device="cpu",
                experts_implementation: str = "grouped_mm", seed: int = 0):
     """One transformers MoE block of `family` with random weights, in eval mode."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mok_compile.hf_blocks import available, checkpoint_layers, init_moe_weights_
+from mok_compile.hf_blocks import add_expert_lora_, available, checkpoint_layers, init_moe_weights_
 
 from .helpers import BF16_GRAD_TOL, FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
@@ -134,26 +134,8 @@ def test_axk2_trains_fused_keeping_its_selection():
         assert_close_rel(got_grads[name], want, TOL[torch.float32]["grads"], f"grad of {name}")
 
 
-class LoraDelta(torch.nn.Module):
-    """A LoRA delta on stacked expert weights as a parametrization: W + B @ A, per expert (rank 4)."""
-
-    def __init__(self, weight, rank=4):
-        super().__init__()
-        E, rows, cols = weight.shape
-        self.A = torch.nn.Parameter(torch.randn(E, rank, cols, dtype=weight.dtype) * 0.1)
-        self.B = torch.nn.Parameter(torch.randn(E, rows, rank, dtype=weight.dtype) * 0.1)
-
-    def forward(self, weight):
-        return weight + self.B @ self.A
-
-
 def _lora_parametrized(model):
-    from torch.nn.utils import parametrize
-
-    for layer in model.model.layers:
-        experts = layer.mlp.experts
-        for name in ("gate_up_proj", "down_proj"):
-            parametrize.register_parametrization(experts, name, LoraDelta(getattr(experts, name)))
+    assert add_expert_lora_(model) == NUM_LAYERS
     return model
 
 
