@@ -53,7 +53,8 @@ FAMILIES = {
     "qwen3_moe": (hf_blocks.BlockSizes(hidden=2048, intermediate=768, experts=128, top_k=8), {}),
     # AXK2's default sizes with its group-limited selection on (8 groups, the best 4): the op takes the ids of the
     # selection kept in the graph.
-    "axk2": (hf_blocks.BlockSizes(hidden=2048, intermediate=512, experts=128, top_k=8), {"n_group": 8, "topk_group": 4}),
+    "axk2": (hf_blocks.BlockSizes(hidden=2048, intermediate=512, experts=128, top_k=8),
+             {"n_group": 8, "topk_group": 4}),
 }
 
 

@@ -38,7 +38,8 @@ def test_a_graphed_step_keeps_the_inputs_only_it_holds():
     assert torch.equal(reuse, torch.zeros_like(x))
 
 
-@pytest.mark.parametrize("conf,hinted", [("", True), ("expandable_segments:True", False)], ids=["default", "expandable"])
+@pytest.mark.parametrize("conf,hinted", [("", True), ("expandable_segments:True", False)],
+                         ids=["default", "expandable"])
 def test_a_capture_out_of_memory_names_expandable_segments(monkeypatch, capsys, conf, hinted):
     """A capture that runs out of memory (DeepSeek-V3's fwd+bwd at T=4096 on an 80 GB card, whose free memory sat in
     partly used segments) gives nan with the setting that let it capture, unless that setting is on already."""
