@@ -459,16 +459,51 @@ def find_router(anchor: fx.Node, scores: fx.Node | None = None) -> tuple[fx.Node
 # ----------------------------------------------------------------------------- region
 
 
-class _ActivationClean:
+class _EveryInput:
+    """A property a node has where each of its inputs has it (`_trivial` decides the nodes it need not walk past):
+    memoised, and walked depth first without recursion, since a chain may be thousands of nodes long. A node is
+    decided once each of its inputs is, and lacks the property from its first input that lacks it on."""
+
+    def __init__(self, flow: Dataflow):
+        self.flow = flow
+        self.known: dict[fx.Node, bool] = {}
+
+    def _trivial(self, n: fx.Node) -> bool | None:
+        raise NotImplementedError
+
+    def holds(self, n: fx.Node) -> bool:
+        verdict = self._trivial(n)
+        if verdict is not None:
+            return verdict
+        stack = [(n, iter(self.flow.inputs(n)))]
+        while stack:
+            node, pending = stack[-1]
+            for i in pending:
+                verdict = self._trivial(i)
+                if verdict is None:
+                    stack.append((i, iter(self.flow.inputs(i))))
+                    break
+                if not verdict:  # so is every node waiting on it
+                    for waiting, _ in stack:
+                        self.known[waiting] = False
+                    stack.clear()
+                    break
+            else:
+                self.known[node] = True
+                stack.pop()
+        return self.known[n]
+
+
+class _ActivationClean(_EveryInput):
     """Nodes whose values depend on activations only through `roots` (weights and sizes may come from anywhere): a
     source, a root, or a node after the first root whose inputs are all clean. A membership test walks back from the
     node asked about (memoised) and stops at the first root's position, so a block costs what its neighbourhood
     holds; a scan of the whole graph per block made the pass's time grow with the square of the model's depth."""
 
     def __init__(self, flow: Dataflow, roots: set[fx.Node]):
-        self.flow, self.roots = flow, roots
+        super().__init__(flow)
+        self.roots = roots
         self.start = min(flow.order[r] for r in roots)
-        self.known: dict[fx.Node, bool] = {}
 
     def _trivial(self, n: fx.Node) -> bool | None:
         if n in self.known:
@@ -481,28 +516,7 @@ class _ActivationClean:
         return None
 
     def __contains__(self, n: fx.Node) -> bool:
-        verdict = self._trivial(n)
-        if verdict is not None:
-            return verdict
-        # Depth first without recursion (a chain may be thousands of nodes long): a node is decided once each of its
-        # inputs is, and is unclean from its first unclean input on.
-        stack = [(n, iter(self.flow.inputs(n)))]
-        while stack:
-            node, pending = stack[-1]
-            for i in pending:
-                verdict = self._trivial(i)
-                if verdict is None:
-                    stack.append((i, iter(self.flow.inputs(i))))
-                    break
-                if not verdict:  # unclean: so is every node waiting on it
-                    for waiting, _ in stack:
-                        self.known[waiting] = False
-                    stack.clear()
-                    break
-            else:
-                self.known[node] = True
-                stack.pop()
-        return self.known[n]
+        return self.holds(n)
 
 
 def _candidate_outputs(flow, ids, clean, x_meta, root_meta):
@@ -695,43 +709,48 @@ def find_region(gm: fx.GraphModule, flow: Dataflow, anchor: fx.Node, ids: fx.Nod
                   f"found no combined [tokens, hidden] output of the experts computing on {activation}")
 
 
-class _ComputedWeights:
+class _ComputedWeights(_EveryInput):
     """Expert (or router) weights the graph computes, after the block's activation input, from module state alone:
     parameters and buffers (a parametrization with `torch.nn.utils.parametrize`, a LoRA delta ``W + B @ A``, a
     weight norm, a dequantising scale). They stay in the graph as inputs of the block, as the weights they replace
     would be; the op reads what they give, and its weight gradients reach the parameters through them. A node is one
     where it computes (no view, cast or factory: the matchers read those as the layout of a block's weights), gives a
     floating-point tensor of 2 or more dimensions, and reads, through nodes placed after the activation input, only
-    module state (`_is_module_state`) and sizes, none of `excluded` (the logits or given ids a block takes).
-    Memoised, and bounded by the activation input's position, so a block costs what its neighbourhood holds."""
+    module state (`_is_module_state`) and sizes, one tensor at least, none of `excluded` (the logits or given ids a
+    block takes). Bounded by the activation input's position, so a block costs what its neighbourhood holds."""
 
     def __init__(self, flow: Dataflow, root: fx.Node, excluded: set[fx.Node]):
-        self.flow, self.start, self.excluded = flow, flow.order[root], excluded | {root}
-        self.known: dict[fx.Node, bool] = {}
+        super().__init__(flow)
+        self.start, self.excluded = flow.order[root], excluded | {root}
 
-    def _reads_module_state_only(self, n: fx.Node) -> bool:
-        """Whether `n` is module state, not excluded, or computed from such (and sizes) after the activation input."""
+    def _trivial(self, n: fx.Node) -> bool | None:
         if n in self.known:
             return self.known[n]
         if n in self.excluded:
-            verdict = False
-        elif n.op in ("placeholder", "get_attr"):
-            verdict = n.op == "get_attr" or _is_module_state(n)
-        elif _is_source(n):  # a size
-            verdict = False
-        else:
-            sizes = {i for i in self.flow.inputs(n) if _is_source(i) and i.op not in ("placeholder", "get_attr")}
-            tensors = [i for i in self.flow.inputs(n) if i not in sizes]
-            verdict = (self.flow.order.get(n, -1) > self.start and bool(tensors)
-                       and all(self._reads_module_state_only(i) for i in tensors))
-        self.known[n] = verdict
-        return verdict
+            return False
+        if n.op in ("placeholder", "get_attr"):
+            return n.op == "get_attr" or _is_module_state(n)
+        if _computed_size(n):  # any computation may read one
+            return True
+        if self.flow.order.get(n, -1) <= self.start or all(_computed_size(i) for i in self.flow.inputs(n)):
+            return False  # before the activation input, or made from sizes alone (a factory's)
+        return None
 
     def __contains__(self, n: fx.Node) -> bool:
-        if n.op not in ("call_function", "call_method") or op_name(n) in LAYOUT_OPS | _FACTORIES:
+        if n.op not in ("call_function", "call_method") or op_name(n) in _NOT_COMPUTED_WEIGHTS:
             return False
         meta = tensor_meta(n)
-        return meta is not None and meta.is_floating_point() and meta.dim() >= 2 and self._reads_module_state_only(n)
+        return meta is not None and meta.is_floating_point() and meta.dim() >= 2 and self.holds(n)
+
+
+def _computed_size(n: fx.Node) -> bool:
+    """A size the graph computes (a graph input is module state or not, `_is_module_state`)."""
+    return _is_source(n) and n.op not in ("placeholder", "get_attr")
+
+
+# What `_ComputedWeights` never takes as a computed weight: views and casts, which the matchers read as the layout of
+# a block's weights, and factories.
+_NOT_COMPUTED_WEIGHTS = LAYOUT_OPS | _FACTORIES
 
 
 class _RegionSearch:

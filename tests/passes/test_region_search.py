@@ -1,7 +1,8 @@
 """The region search on deep graphs. Its activation-clean set (`region._ActivationClean`: what depends on activations
 only through a block's roots), decided node by node by walking back from each, is the set one scan of the whole graph
 in order gives, whatever order it is asked in; the search for the first matmul the ids reach stops there; and a
-12-layer model fuses every block, as eager computes it.
+12-layer model fuses every block, as eager computes it. Its computed weights (`region._ComputedWeights`) are decided
+without recursion, past a chain longer than Python's recursion limit.
 
 Before v62 each block scanned the whole graph (and asked every node's op again for its dataflow), so the pass's time
 grew with the square of the depth: 0.09, 1.7 and 5.2 s for 8, 48 and 96 layers of a tiny Qwen3-MoE, since 0.06, 0.7
@@ -17,7 +18,7 @@ from mok_compile.backend import mok_backend
 from mok_compile.demo import make_causal_lm
 from mok_compile.passes.dataflow import Dataflow
 from mok_compile.passes.op_names import MATMUL_OPS, op_name
-from mok_compile.passes.region import _ActivationClean, _is_source, block_anchors, find_region
+from mok_compile.passes.region import _ActivationClean, _ComputedWeights, _is_source, block_anchors, find_region
 
 from .helpers import capture
 
@@ -120,3 +121,34 @@ def test_deep_model_fuses_every_block():
     assert counters["mok"]["fused_moe"] == layers, dict(counters["mok"])
     assert counters["mok"]["rejected_moe"] == 0, dict(counters["mok"])
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * want.abs().max().item())
+
+
+class _LongChain(torch.nn.Module):
+    """A weight computed from a parameter, and an activation chain of 3000 adds after the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = x
+        for _ in range(3000):
+            h = h + x
+        return h @ (self.w * 2.0)
+
+
+def test_computed_weights_past_a_chain_longer_than_the_recursion_limit():
+    """A walk back along the 3000 adds (the module-loop MoE of 600 experts had a chain like it) decides their end is
+    no computed weight, without a RecursionError; the parameter's product is one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm = torch.fx.symbolic_trace(_LongChain())
+    FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(torch.randn(2, 4))
+    flow = Dataflow(gm.graph)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    adds = [n for n in gm.graph.nodes if op_name(n) == "add"]
+    scaled = next(n for n in gm.graph.nodes if op_name(n) == "mul")
+    assert len(adds) == 3000
+    computed = _ComputedWeights(flow, x, set())
+    assert adds[-1] not in computed and scaled in computed
