@@ -299,7 +299,7 @@ def _scores_gathered_at(ids: fx.Node) -> fx.Node | None:
     gathers = [u for u in ids.users if op_name(u) == "gather"]
     if len(gathers) != 1:
         return None
-    (gather,), meta = gathers, tensor_meta(gathers[0])
+    gather, meta = gathers[0], tensor_meta(gathers[0])
     if arg(gather, 2, "index") is not ids or arg(gather, 1, "dim") not in (1, -1) or meta is None or meta.dim() != 2:
         return None
     return gather
