@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .backward_consume import mark_spent_weights
 from .dataflow import Dataflow
 from .op_names import meta_value, op_name, tensor_meta
 from .region import NoMatch, Region, same_shape
@@ -156,4 +157,5 @@ def emit(gm: fx.GraphModule, flow: Dataflow, region: Region, plan: Plan, operand
     for n in reversed(flow.sorted(region.inputs)):  # size computations only the region used
         if n.op in ("call_function", "call_method") and not n.users:
             graph.erase_node(n)
+    mark_spent_weights(op)
     return op

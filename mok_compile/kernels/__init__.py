@@ -64,14 +64,27 @@ def fused_moe_backward_cuda(grad_out, grad_topk_weights, hidden_states, *rest, *
 
 def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, *rest, **kw):
     """The backward over a saved h that is dead afterwards: the kernels write dh over it (with
-    `if_graph_freed`, only if this call's autograd graph task frees its graph; else they read it)."""
+    `if_graph_freed`, only if this call's autograd graph task frees its graph; else they read it). Where they do,
+    the spent weights (`spent_gate_up_proj`, `spent_down_proj`) that hold their memory alone are freed once read."""
     *rest, gate_up_out = rest
     kw = with_defaults(kw)
+    spent = {name: kw.pop(name, None) for name in library.SPENT_KWARGS}
     overwrite = library.graph_is_freed() if kw.pop("if_graph_freed", False) else True
     if not _use_triton(hidden_states):
         return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
+    weights = {"spent_gate_up_proj": ("gate_up_proj", rest[3]), "spent_down_proj": ("down_proj", rest[5])}
+    freed = tuple(weights[k][0] for k, t in spent.items() if overwrite and t is not None and t is weights[k][1]
+                  and sole_owner(t))
+    if freed:
+        kw["spent_weights"] = freed
     return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw,
                                          gate_up_out=gate_up_out, overwrite_gate_up_out=overwrite)
+
+
+def sole_owner(t: torch.Tensor) -> bool:
+    """Whether `t` alone holds its memory: no view of another tensor, and no other tensor on its storage (the count
+    includes the storage object made to ask it)."""
+    return t._base is None and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
 
 
 library.impl_backend_kernels("CUDA", {

@@ -525,6 +525,7 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     left to `fn(*held, *weights)`, the weights being the call's tensors at positions `_WEIGHTS` (gate_up_proj,
     gate_up_bias, down_proj, down_bias)."""
     overwrite_h = kw.pop("overwrite_gate_up_out", False)  # `mok::fused_moe_backward_consume`: h is dead after
+    spent = kw.pop("spent_weights", ())  # its weights ("gate_up_proj", "down_proj") dead after too: freed once read
     x = hidden_states.contiguous()
     T, H = x.shape
     E, I = _sizes(gate_up_proj, down_proj, kw)
@@ -609,22 +610,23 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
                                                        I, kw, rows_per_expert, precision, (w1_k, w1_n),
                                                        (w2_h, w2_i), col_mul, up_off, act_code)
 
+    # A spent W1 is read last by dgrad. Where dgrad's output is the smaller of the two, dgrad goes first, so that W1's
+    # memory is free for the weight gradients; else W1 is freed after dgrad. (A graph's replay runs dgrad, and the
+    # weight gradients follow each replay: they free every spent weight.)
+    dgrad_first = "gate_up_proj" in spent and not defer_weight_gradients and TK * H < gate_up_proj.numel()
+    w1_after_dgrad = "gate_up_proj" in spent and not defer_weight_gradients and not dgrad_first
     # Weight gradients: each expert's rows reduced in sorted order. Deferred (a graph's capture): launched after
     # each replay of the rest, into new tensors (`graphs.GraphCache`'s finish).
-    weight_gradients = functools.partial(_weight_gradients, eng=eng, kw=kw, top_k=K,
-                                         rows_per_expert=rows_per_expert, precision=precision)
+    weight_gradients = functools.partial(_weight_gradients, eng=eng, kw=kw, top_k=K, rows_per_expert=rows_per_expert,
+                                         precision=precision,
+                                         spent=tuple(n for n in spent if not (w1_after_dgrad and n == "gate_up_proj")))
     work = [disp.layout, wgrad_go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
     del act_w, gos, xs, wgrad_go  # (held by `work` alone: the weight gradients free them after their last read)
-    if defer_weight_gradients:  # the weights from each call, as `_WEIGHTS` of its tensors (`graphs.GraphCache.call`)
-        deferred = (lambda *args: weight_gradients(list(args)), work[:-len(_WEIGHTS)], _WEIGHTS)
-    else:
-        d_gu, d_gu_bias, d_down, d_down_bias = weight_gradients(work, disp=disp)
-    del work
 
-    # d(input) of each pair, summed per token by the final combine.
-    if eng["dgrad"] == "cutlass":
-        dxp = cutlass_gemm.grouped_mm(dh, _kn(gate_up_proj, transposed, backward=True), disp)
-    else:
+    def dgrad(dh):  # d(input) of each pair, summed per token by the final combine
+        nonlocal dw_parts
+        if eng["dgrad"] == "cutlass":
+            return cutlass_gemm.grouped_mm(dh, _kn(gate_up_proj, transposed, backward=True), disp)
         dxp = torch.empty((TK, H), dtype=x.dtype, device=x.device)
         dcfg = configs.config("dgrad", x.dtype, rows_per_expert, x.device)
         if woi:  # d w[t,k] = <dxs, x[t]>: partial sums per H-tile from the fp32 accumulator
@@ -632,6 +634,19 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
         _gemm(dh, disp, gate_up_proj, (w1_n, w1_k), None, dxp, n=H, kd=up_out * I, gather=False, gated=False, act=0,
               col_mul=1, up_off=0, kw=kw, cfg=dcfg, precision=precision, dw_dot=x if woi else None,
               dw_parts=dw_parts if woi else None)
+        return dxp
+
+    if dgrad_first:
+        dxp = dgrad(dh)
+    if defer_weight_gradients:  # the weights from each call, as `_WEIGHTS` of its tensors (`graphs.GraphCache.call`)
+        deferred = (lambda *args: weight_gradients(list(args)), work[:-len(_WEIGHTS)], _WEIGHTS)
+    else:
+        d_gu, d_gu_bias, d_down, d_down_bias = weight_gradients(work, disp=disp)
+    del work
+    if not dgrad_first:
+        dxp = dgrad(dh)
+    if w1_after_dgrad:
+        plan.effect(_free_storage, gate_up_proj)
     del dh
     if overwrite_h and gate_up_out._base is None:
         # dh lived in h's memory and h is dead: release it now rather than when autograd drops its saved
@@ -688,14 +703,18 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     return d_x, d_router, d_router_bias, d_scale, d_post_norm, d_gu, d_gu_bias, d_down, d_down_bias
 
 
-def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=None):
+def _weight_gradients(work, *, eng, kw, top_k, rows_per_expert, precision, disp=None, spent=()):
     """(d_gu, d_gu_bias, d_down, d_down_bias), each expert's rows reduced in sorted order, from `work` =
     [layout, go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias] (`gos`, `xs`: the
     sorted go and x rows where the backward made them, else None; with a post norm, go is dy in sorted rows, already
     weighted, and act_w the unweighted act(h)). act_w, gos and xs are taken out of the list, so
     that where the caller keeps no other reference each is freed after its last read, before the next gradient is
-    allocated (peak memory; NOTES v39)."""
+    allocated (peak memory; NOTES v39). The weights named in `spent` are read by now (the gradients take only their
+    shapes): their memory is freed first."""
     layout, go, x, w_flat, _, dh, _, _, gate_up_proj, gate_up_bias, down_proj, down_bias = work
+    for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if name in spent:
+            plan.effect(_free_storage, weight)
     act_w, gos, xs = work[4], work[6], work[7]
     work[4] = work[6] = work[7] = None
     E, I = _sizes(gate_up_proj, down_proj, kw)

@@ -189,7 +189,8 @@ def _fused_moe_backward_consume_cpu(*args, **kw):
     reuse its memory for on the CPU). Registered, rather than left to the composite kernel, so that the
     eager backward calls it directly instead of through the dispatcher twice."""
     *args, gate_up_out = args
-    kw.pop("if_graph_freed", None)
+    for name in ("if_graph_freed", *library.SPENT_KWARGS):
+        kw.pop(name, None)
     return _fused_moe_backward_cpu(*args, gate_up_out=gate_up_out, **kw)
 
 

@@ -102,11 +102,17 @@ FUSED_MOE_TRAIN_SCHEMA = (
 # freed after this backward (h is dead). `if_graph_freed`: decide that at run time instead, from the autograd graph
 # task running the call (the compiled backward, `passes.backward_consume`): without one, or under retain_graph, h is
 # only read.
+# `spent_gate_up_proj`, `spent_down_proj`: the call's own `gate_up_proj` / `down_proj` again, given where that weight is
+# a tensor the graph computed for this block alone (a LoRA delta added, experts stacked) and saved for this backward
+# only: with h, the CUDA kernels then free its memory once read, before the weight gradients are made (the compiled
+# backward otherwise holds both weights and both their gradients at once). Ignored elsewhere, as h's overwrite is.
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "
     f"Tensor topk_weights, Tensor topk_ids, Tensor(a!) gate_up_out, *, {_SCALARS}, bool if_graph_freed=False, "
-    f"{_SAVED_ROUTING}, {_LEARNED_SCHEMA}, Tensor(b!)? post_norm_input=None) -> {_GRADS}"
+    f"{_SAVED_ROUTING}, {_LEARNED_SCHEMA}, Tensor(b!)? post_norm_input=None, Tensor(c!)? spent_gate_up_proj=None, "
+    f"Tensor(d!)? spent_down_proj=None) -> {_GRADS}"
 )
+SPENT_KWARGS = ("spent_gate_up_proj", "spent_down_proj")  # weights that a consuming backward may free
 
 # Inductor writes every argument of a call into the code it caches, so `passes.post_grad` keys that cache on these.
 SCHEMAS = (FUSED_MOE_SCHEMA, FUSED_MOE_BACKWARD_SCHEMA, FUSED_MOE_TRAIN_SCHEMA, FUSED_MOE_BACKWARD_CONSUME_SCHEMA)
@@ -416,7 +422,8 @@ def graph_is_freed() -> bool:
 def _backward_keeping_gate_up_out(*args, **kw):
     """`fused_moe_backward_consume` where no kernel overwrites h (reference, C++): the plain backward."""
     *args, gate_up_out = args
-    kw.pop("if_graph_freed", None)
+    for name in ("if_graph_freed", *SPENT_KWARGS):
+        kw.pop(name, None)
     return torch.ops.mok.fused_moe_backward(*args, **kw, gate_up_out=gate_up_out)
 
 

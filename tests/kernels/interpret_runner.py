@@ -100,12 +100,16 @@ def check(variant, T, H, I, E, K, dtype, prefix="", accept=None, ab_env=None):
         res["grad_err_saved"] = {n: rel_err(a, b) for n, a, b in zip(names, saved, r_grads) if b is not None}
         res["h_unchanged"] = bool(torch.equal(h, moe.fused_moe_forward(*tensors, save_gate_up=True, **kw)[3]))
         # The backward as autograd calls it: consuming (`mok::fused_moe_backward_consume`: dh written over h) and
-        # reading the saved logits and dispatch layout. Nothing of the routing recomputed, the same bits.
+        # reading the saved logits and dispatch layout. Nothing of the routing recomputed, the same bits. Its weights
+        # spent (as the compiled backward's, where the graph computed them for the op alone): freed once read.
+        spent = list(tensors)
+        spent[4], spent[6] = tensors[4].clone(), tensors[6].clone()
         with _recomputes() as res["saved_routing_recomputed"]:
-            consumed = moe.fused_moe_backward(go, gw, *tensors, w, ids, gate_up_out=h.clone(),
+            consumed = moe.fused_moe_backward(go, gw, *spent, w, ids, gate_up_out=h.clone(),
                                               overwrite_gate_up_out=True, router_logits=logits, routing_layout=layout,
-                                              **kw)
+                                              spent_weights=("gate_up_proj", "down_proj"), **kw)
         res["consume_equal"] = all(a is None or torch.equal(a, b) for a, b in zip(consumed, saved))
+        res["spent_freed"] = all(spent[i].untyped_storage().nbytes() == 0 for i in (4, 6))
         # The backward as a CUDA graph captures it (`graphs.py`): the weight gradients left to a function run after
         # the rest, on what the rest kept. The same bits.
         call = (go, gw, *tensors, w, ids, h, logits, layout, None, None, None)  # no expert scale, no post norm

@@ -407,6 +407,36 @@ def test_backward_consume_writes_dh_over_h(variant):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("T", [64, 333, 1500])
+def test_backward_consume_frees_spent_weights(T):
+    """Spent weights (`spent_gate_up_proj`, `spent_down_proj`: what the compiled backward passes for weights the graph
+    computed for the op alone) are freed once read, and the gradients are the plain backward's bit for bit, call
+    after call (a few-token graph's replay, launch plans' record and replay). T = 64 and 333 (dgrad's output smaller
+    than W1: dgrad first), 1500 (larger: W1 freed after dgrad). Left as they are: a view, a weight another tensor
+    shares, a tensor that is not the weight it names, and any weight where the call only reads h."""
+    tensors, kw = make_case("qwen3", T=T, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
+    out, w, ids, h, *_ = torch.ops.mok.fused_moe_train(*tensors, **kw)
+    go, gw = torch.randn_like(out), torch.ones_like(w)
+    plain = torch.ops.mok.fused_moe_backward(go, gw, *tensors, w, ids, **kw, gate_up_out=h)
+
+    def backward(spent, **extra):
+        args = [*tensors]
+        args[4], args[6] = (t.clone() for t in (tensors[4], tensors[6]))
+        weights = dict(zip(("spent_gate_up_proj", "spent_down_proj"), (args[4], args[6])))
+        given = {k: spent(v) for k, v in weights.items()}
+        got = torch.ops.mok.fused_moe_backward_consume(go, gw, *args, w, ids, h.clone(), **kw, **given, **extra)
+        for a, b in zip(plain, got):
+            assert (a is None and b is None) or torch.equal(a, b)
+        return [t.untyped_storage().nbytes() == 0 for t in weights.values()]
+
+    for _ in range(4):
+        assert backward(lambda t: t) == [True, True]
+    held = []
+    assert backward(lambda t: held.append(t.view(-1)) or t) == [False, False]  # another tensor on its memory
+    assert backward(lambda t: t.clone()) == [False, False]  # not the weight it names
+    assert backward(lambda t: t, if_graph_freed=True) == [False, False]  # no graph task: h only read
+
+
 @pytest.mark.parametrize("variant", ["qwen3", "deepseek_v3", "router_logits"])
 def test_training_forward_keeps_the_routing(variant):
     """`fused_moe_train` on CUDA returns the router logits ([0, E] where the router argument is the logits) and the

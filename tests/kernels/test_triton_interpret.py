@@ -96,11 +96,12 @@ def test_backward_matches_reference(interpreter_results):
 
 def test_backward_from_saved_gate_up_matches_reference(interpreter_results):
     """The training path of both engines: h saved by the forward, read (not overwritten) by the backward;
-    the consuming backward (autograd's last: dh written over h) gives the same bits."""
+    the consuming backward (autograd's last: dh written over h; its weights spent, freed once read) gives the same
+    bits."""
     saved = [res for res in interpreter_results if "grad_err_saved" in res]
     assert saved
     for res in saved:
-        assert res["saved_out_equal"] and res["h_unchanged"] and res["consume_equal"], res
+        assert res["saved_out_equal"] and res["h_unchanged"] and res["consume_equal"] and res["spent_freed"], res
         for name, err in res["grad_err_saved"].items():
             assert err < _grad_tol(res["case"], name), (name, res)
 

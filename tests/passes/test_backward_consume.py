@@ -118,9 +118,9 @@ def test_saved_norm_input_read_once_is_consumed_with_h():
     assert consume_saved_gate_up(graph) == 1
     (new,) = [n for n in graph.nodes if n.target is CONSUME]
     assert new.kwargs["post_norm_input"] is y
-    (mutated,) = [a.name for a in CONSUME._schema.arguments if a.alias_info and a.alias_info.is_write
-                  and a.kwarg_only]
-    assert mutated == "post_norm_input"  # the consuming op declares that it may write dy over it
+    mutated = [a.name for a in CONSUME._schema.arguments if a.alias_info and a.alias_info.is_write and a.kwarg_only]
+    # the consuming op declares that it may write dy over y (and free the spent weights)
+    assert mutated == ["post_norm_input", "spent_gate_up_proj", "spent_down_proj"]
 
 
 def test_near_miss_norm_input_read_elsewhere_is_left_alone():
@@ -184,3 +184,102 @@ def test_installed_for_graphs_that_call_the_op_directly_or_through_the_rewrite()
     overload = torch.fx.symbolic_trace(lambda x: x)
     overload.graph.call_function(fused_moe, ())  # the rewrite's target
     assert _has_fused_moe(overload)
+
+
+def _spent_in_compiled_backward(module, x):
+    """One training step of `module` through the MoE pass and aot_autograd (no inductor), its backward graph rewritten
+    by `consume_saved_gate_up`: ([the spent weights of each consuming node, as {keyword: the weight's position}],
+    the gradients of the parameters, eager's)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from mok_compile.ops.library import SPENT_KWARGS
+    from mok_compile.passes import fuse_moe
+
+    spent, positions = [], {"spent_gate_up_proj": 6, "spent_down_proj": 8}
+
+    def bw(gm, _inputs):
+        consume_saved_gate_up(gm.graph)
+        gm.recompile()
+        for n in gm.graph.nodes:
+            if n.target is CONSUME:  # each spent weight is the very node the op reads as that weight
+                assert all(n.kwargs.get(k) in (None, n.args[positions[k]]) for k in SPENT_KWARGS)
+                spent.append({k for k in SPENT_KWARGS if n.kwargs.get(k) is not None})
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        assert len(fuse_moe(gm, inputs).fused) == 1
+        return aot_module_simplified(gm, inputs, fw_compiler=lambda g, _: make_boxed_func(g.forward), bw_compiler=bw)
+
+    def step(fn):
+        module.zero_grad(set_to_none=True)
+        out = fn(x)
+        loss = sum(o.square().sum() for o in (out if isinstance(out, tuple) else (out,)))
+        loss.backward()
+        return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    want = step(module)
+    torch._dynamo.reset()
+    got = step(torch.compile(module, backend=backend))
+    torch._dynamo.reset()
+    return spent, got, want
+
+
+def _spent_module(name):
+    from tests.passes import models
+
+    from mok_compile import hf_blocks
+
+    torch.manual_seed(0)
+    if name == "lora_qwen3":  # a LoRA parametrization on both expert weights of transformers' block
+        block = hf_blocks.make_block("qwen3_moe", hf_blocks.BlockSizes(hidden=32, intermediate=16, experts=8, top_k=2))
+        hf_blocks.add_expert_lora_(block, rank=2)
+        return block.train(), torch.randn(1, 12, 32)
+    module = {"computed": models.ComputedWeightsMoE, "module_list": models.DenseMaskMoE,
+              "parameters": models.StackedGatherMoE}[name]()
+    return module.train(), torch.randn(12, 32)
+
+
+@pytest.mark.parametrize("name, want", [
+    ("lora_qwen3", {"spent_gate_up_proj", "spent_down_proj"}),  # W + B @ A on both
+    ("computed", {"spent_gate_up_proj", "spent_down_proj"}),  # g * v, and W + B @ A
+    ("module_list", {"spent_gate_up_proj", "spent_down_proj"}),  # the experts' weights stacked for the op
+    ("parameters", set()),  # near miss: the weights are the model's own
+])
+def test_weights_computed_for_the_op_alone_are_spent(name, want):
+    """A weight the graph computes for the op alone and saves for its backward only is passed again as spent (the
+    CUDA kernels free it once read); a parameter is not. Gradients as eager's (the CPU kernel reads spent weights
+    and leaves them)."""
+    _case()  # skips where the C++ kernel is not built: the CPU autograd then saves no h
+    module, x = _spent_module(name)
+    before = counters["mok"]["spent_weights"]
+    spent, got, want_grads = _spent_in_compiled_backward(module, x)
+    assert spent == [want]
+    assert counters["mok"]["spent_weights"] == before + len(want)
+    assert got.keys() == want_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got[n], want_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_only_a_computed_weight_the_op_alone_reads_is_marked_spent():
+    """`mark_spent_weights` on the op's weights: a computing node read by the op alone is marked; a graph input, a
+    view or cast (which may alias a parameter), or a computed weight with a second reader (a penalty on it) is not."""
+    from mok_compile.passes.backward_consume import SPENT_MARK, mark_spent_weights
+
+    def marked(gate_up, down, second_reader=None):
+        graph = torch.fx.Graph()
+        x, router, w1, w2, scale = (graph.placeholder(n) for n in ("x", "router", "w1", "w2", "scale"))
+        make = {"input": lambda w: w, "computed": lambda w: graph.call_function(torch.mul, (w, scale)),
+                "view": lambda w: graph.call_method("transpose", (w, 1, 2)),
+                "cast": lambda w: graph.call_method("to", (w, torch.float32))}
+        weights = (make[gate_up](w1), make[down](w2))
+        op = graph.call_function(fused_moe, (x, router, None, None, weights[0], None, weights[1], None), {"top_k": 2})
+        if second_reader is not None:
+            graph.call_function(torch.sum, (weights[second_reader],))
+        mark_spent_weights(op)
+        return [bool((w.meta.get("custom") or {}).get(SPENT_MARK)) for w in weights]
+
+    assert marked("computed", "computed") == [True, True]
+    assert marked("input", "computed") == [False, True]
+    assert marked("view", "cast") == [False, False]
+    assert marked("computed", "computed", second_reader=1) == [True, False]
