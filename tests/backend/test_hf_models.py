@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from mok_compile import hf_blocks
 from mok_compile.hf_blocks import add_expert_lora_, available, checkpoint_layers, init_moe_weights_
-from tests.kernels.cases import rel_err
+from tests.kernels.cases import generator, rel_err
 
 from .helpers import BF16_GRAD_TOL, FAMILIES, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 
@@ -184,7 +184,7 @@ def test_compiled_lora_backward_frees_the_computed_weights():
         return torch.cuda.max_memory_allocated() - base, [p.grad.clone() for p in params]
 
     for T in (64, 600):  # a few-token graph's replay, and launch plans
-        x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(T))
+        x = torch.randn(1, T, sizes.hidden, device="cuda", dtype=torch.bfloat16, generator=generator(T, "cuda"))
         step(block, x)
         eager_peak, want = step(block, x)
         peaks = {}
