@@ -76,11 +76,12 @@ def load_extension(name: str, **kwargs):
     """`torch.utils.cpp_extension.load` of extension `name` in its build directory (`build_directory`), safe
     against a build that died.
 
-    torch's build lock is a plain file, `<build directory>/lock`, that a build removes when it ends. A build that
-    was killed (a cancelled job, a timeout) leaves it behind, and every later load of that directory waits for it
-    forever: a hang at the first CPU call of the op. So every build here first takes an OS lock on
-    `<build directory>/mok.lock`, which the kernel releases when its holder dies: a `lock` file found while holding
-    it is a dead build's, and is removed (ninja finishes that build)."""
+    Up to torch 2.13, torch's build lock is a plain file, `<build directory>/lock`, that a build removes when it
+    ends. A build that was killed (a cancelled job, a timeout) leaves it behind, and every later load of that
+    directory waits for it forever: a hang at the first CPU call of the op. So every build here first takes an OS
+    lock on `<build directory>/mok.lock`, which the kernel releases when its holder dies: a `lock` file found while
+    holding it is a dead build's, and is removed (ninja finishes that build). From torch 2.14 on, torch holds an OS
+    lock on that file itself and leaves the file after every build: there it is left alone (`_lock_file_blocks`)."""
     from torch.utils import cpp_extension
 
     build_dir = build_directory(name)
@@ -91,11 +92,17 @@ def load_extension(name: str, **kwargs):
     with open(os.path.join(build_dir, "mok.lock"), "a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # waits for a live build; released at close or when this process dies
         stale = os.path.join(build_dir, "lock")
-        if os.path.exists(stale):
+        if _lock_file_blocks(cpp_extension) and os.path.exists(stale):
             warnings.warn(f"mok_compile: removed {stale}, left by a build of {name} that did not finish",
                           RuntimeWarning, stacklevel=2)
             os.remove(stale)
         return cpp_extension.load(name=name, build_directory=build_dir, **kwargs)
+
+
+def _lock_file_blocks(cpp_extension) -> bool:
+    """Whether torch's build lock is a file whose existence blocks (`FileBaton`, up to torch 2.13), rather than an OS
+    lock on it (`FileLock`, from 2.14 on: the file stays after a build, and a dead holder's lock is released)."""
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def _build_and_load() -> None:

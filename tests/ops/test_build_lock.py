@@ -53,9 +53,16 @@ def _finish(proc):
 
 
 def test_a_dead_builds_lock_is_removed_and_the_build_runs(build_dir):
+    """Up to torch 2.13 a killed build's lock file is removed, with a warning; from 2.14 on torch locks that file
+    itself and leaves it after every build, so finding it says nothing: it is left, and the build runs."""
+    from torch.utils import cpp_extension
+
     path, source = build_dir
-    (path / "lock").touch()  # what a killed build leaves
+    (path / "lock").touch()  # what a killed build leaves (from torch 2.14 on: what any build leaves)
     out, err = _finish(_start_load(source))
+    if not cpu._lock_file_blocks(cpp_extension):
+        assert out.strip() == "loaded;", (out, err[-2000:])
+        return
     assert out.startswith("loaded;") and f"{path / 'lock'}, left by a build of {NAME}" in out, err[-2000:]
     assert not (path / "lock").exists()
 
