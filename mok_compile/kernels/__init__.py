@@ -10,6 +10,7 @@ run the reference after one warning; fp64 inputs always run the reference
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -74,11 +75,17 @@ def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, 
         return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
     weights = {"spent_gate_up_proj": ("gate_up_proj", rest[3]), "spent_down_proj": ("down_proj", rest[5])}
     freed = tuple(weights[k][0] for k, t in spent.items() if overwrite and t is not None and t is weights[k][1]
-                  and sole_owner(t))
+                  and sole_owner(t) and frees_spent_weights())
     if freed:
         kw["spent_weights"] = freed
     return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw,
                                          gate_up_out=gate_up_out, overwrite_gate_up_out=overwrite)
+
+
+def frees_spent_weights() -> bool:
+    """Whether spent weights are freed: `MOK_SPENT_WEIGHTS=1`. Off by default until a GPU run has checked it (written
+    and tested on the CPU, interpreted, in v79, which got no GPU); off, they are only read."""
+    return os.environ.get("MOK_SPENT_WEIGHTS", "0") == "1"
 
 
 def sole_owner(t: torch.Tensor) -> bool:

@@ -158,7 +158,7 @@ def test_parametrized_expert_weights_train_fused_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_compiled_lora_backward_frees_the_computed_weights():
+def test_compiled_lora_backward_frees_the_computed_weights(monkeypatch):
     """backend="mok" (inductor) on transformers' Qwen3-MoE block with a LoRA parametrization on both expert weights
     (computed each call, saved for the backward alone): the compiled backward frees them once read, so that a training
     step's peak memory is below what it is without (by one down weight at least) and not above eager HF's; the
@@ -166,6 +166,7 @@ def test_compiled_lora_backward_frees_the_computed_weights():
     from mok_compile.backend import mok_backend
     from mok_compile.passes import backward_consume
 
+    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "1")  # (off by default until this test has run on a GPU)
     sizes = hf_blocks.BlockSizes(hidden=512, intermediate=256, experts=32, top_k=4)
     block = hf_blocks.make_block("qwen3_moe", sizes, dtype=torch.bfloat16, device="cuda").train()
     hf_blocks.add_expert_lora_(block, rank=4)

@@ -408,12 +408,14 @@ def test_backward_consume_writes_dh_over_h(variant):
 
 
 @pytest.mark.parametrize("T", [64, 333, 1500])
-def test_backward_consume_frees_spent_weights(T):
+def test_backward_consume_frees_spent_weights(T, monkeypatch):
     """Spent weights (`spent_gate_up_proj`, `spent_down_proj`: what the compiled backward passes for weights the graph
     computed for the op alone) are freed once read, and the gradients are the plain backward's bit for bit, call
     after call (a few-token graph's replay, launch plans' record and replay). T = 64 and 333 (dgrad's output smaller
     than W1: dgrad first), 1500 (larger: W1 freed after dgrad). Left as they are: a view, a weight another tensor
-    shares, a tensor that is not the weight it names, and any weight where the call only reads h."""
+    shares, a tensor that is not the weight it names, any weight where the call only reads h, and every one without
+    MOK_SPENT_WEIGHTS=1 (off by default until this test has run on a GPU)."""
+    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "1")
     tensors, kw = make_case("qwen3", T=T, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
     out, w, ids, h, *_ = torch.ops.mok.fused_moe_train(*tensors, **kw)
     go, gw = torch.randn_like(out), torch.ones_like(w)
@@ -435,6 +437,8 @@ def test_backward_consume_frees_spent_weights(T):
     assert backward(lambda t: held.append(t.view(-1)) or t) == [False, False]  # another tensor on its memory
     assert backward(lambda t: t.clone()) == [False, False]  # not the weight it names
     assert backward(lambda t: t, if_graph_freed=True) == [False, False]  # no graph task: h only read
+    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "0")
+    assert backward(lambda t: t) == [False, False]
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "deepseek_v3", "router_logits"])
