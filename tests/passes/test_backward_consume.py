@@ -283,3 +283,23 @@ def test_only_a_computed_weight_the_op_alone_reads_is_marked_spent():
     assert marked("input", "computed") == [False, True]
     assert marked("view", "cast") == [False, False]
     assert marked("computed", "computed", second_reader=1) == [True, False]
+
+
+def test_the_kernels_free_a_spent_weight_only_where_it_holds_its_memory_alone(monkeypatch):
+    """The CUDA entry's run-time checks (`kernels.sole_owner`, `kernels.frees_spent_weights`), on CPU tensors: a tensor
+    alone on its storage may be freed; one with a view of it alive, a view, or one sharing a parameter's storage may
+    not; and nothing is freed unless MOK_SPENT_WEIGHTS=1."""
+    from mok_compile.kernels import frees_spent_weights, sole_owner
+
+    weight = torch.randn(4, 6, 8)
+    assert sole_owner(weight)
+    view = weight.view(-1)
+    assert not sole_owner(weight) and not sole_owner(view)
+    del view
+    assert sole_owner(weight) and not sole_owner(weight[1:])
+    parameter = torch.nn.Parameter(torch.randn(4, 6, 8))
+    assert not sole_owner(parameter.detach())
+    monkeypatch.delenv("MOK_SPENT_WEIGHTS", raising=False)
+    assert not frees_spent_weights()
+    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "1")
+    assert frees_spent_weights()
