@@ -22,7 +22,7 @@ backward held it beside its gradient: both weights and both gradients at once, o
 eager backward. The forward pass marks such a weight (`mark_spent_weights`: a computing node the op alone reads);
 here, where that mark reaches a saved tensor read by this node alone, it is passed again as `spent_gate_up_proj` /
 `spent_down_proj`, and the CUDA kernels free it once read (if the graph is freed, and only where the tensor holds
-its memory alone). Counted in `counters["mok"]["spent_weights"]`.
+its memory alone; opt-in for now, `MOK_SPENT_WEIGHTS=1`). Counted in `counters["mok"]["spent_weights"]`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def consume_saved_gate_up(graph: fx.Graph) -> int:
             new.meta["eager_input_vals"] = _consume_arguments(args, {**kwargs, **{k: args[_SPENT_POSITIONS[k]]
                                                                                    for k in spent}})
         done += 1
-        count_swaps("spent_weights", len(spent), "mok: %d weight(s) freed in a compiled backward once read")
+        count_swaps("spent_weights", len(spent), "mok: %d weight(s) passed as spent to a compiled backward")
     return count_swaps("backward_consume", done, "mok: %d compiled backward(s) write dh over the saved h")
 
 

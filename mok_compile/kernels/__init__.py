@@ -75,7 +75,7 @@ def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, 
         return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
     weights = {"spent_gate_up_proj": ("gate_up_proj", rest[3]), "spent_down_proj": ("down_proj", rest[5])}
     freed = tuple(weights[k][0] for k, t in spent.items() if overwrite and t is not None and t is weights[k][1]
-                  and sole_owner(t) and frees_spent_weights())
+                  and sole_owner(t) and rest[3] is not rest[5] and frees_spent_weights())  # (one tensor as both: kept)
     if freed:
         kw["spent_weights"] = freed
     return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw,
