@@ -42,9 +42,9 @@ enabled = os.environ.get("MOK_LAUNCH_PLAN", "1") != "0"
 # through Triton's C launch function directly (`_DirectLaunch`).
 direct_launch = os.environ.get("MOK_DIRECT_LAUNCH", "1") != "0"
 
-# Environment switches the kernels' Python reads per call (configs.py, moe.py, router_gemm.py, library.py).
+# Environment switches the kernels' Python reads per call (configs.py, moe.py, router_gemm.py, library.py, __init__.py).
 SWITCHES = ("MOK_TMA", "MOK_GROUP_M", "MOK_HALF_TAIL", "MOK_GEMM_ENGINE", "MOK_ROUTER_GEMM",
-            "MOK_RECOMPUTE_GATE_UP", "MOK_FP32_DOT", "TRITON_INTERPRET")
+            "MOK_RECOMPUTE_GATE_UP", "MOK_FP32_DOT", "MOK_SPENT_WEIGHTS", "TRITON_INTERPRET")
 _MAX_PLANS = 64
 _MAX_FAILURES = 2  # failed recordings of a signature before it is left unplanned
 
