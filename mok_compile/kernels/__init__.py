@@ -69,15 +69,17 @@ def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, 
     the spent weights (`spent_gate_up_proj`, `spent_down_proj`) that hold their memory alone are freed once read."""
     *rest, gate_up_out = rest
     kw = with_defaults(kw)
-    spent = {name: kw.pop(name, None) for name in library.SPENT_KWARGS}
+    spent = [kw.pop(name, None) for name in library.SPENT_KWARGS]  # gate_up_proj's, down_proj's
     overwrite = library.graph_is_freed() if kw.pop("if_graph_freed", False) else True
     if not _use_triton(hidden_states):
         return reference.fused_moe_backward_reference(grad_out, grad_topk_weights, hidden_states, *rest, **kw)
-    weights = {"spent_gate_up_proj": ("gate_up_proj", rest[3]), "spent_down_proj": ("down_proj", rest[5])}
-    freed = tuple(weights[k][0] for k, t in spent.items() if overwrite and t is not None and t is weights[k][1]
-                  and sole_owner(t) and rest[3] is not rest[5] and frees_spent_weights())  # (one tensor as both: kept)
-    if freed:
-        kw["spent_weights"] = freed
+    weights = (rest[3], rest[5])
+    if overwrite and spent != [None, None] and weights[0] is not weights[1] and frees_spent_weights():
+        # (one tensor as both weights is kept)
+        freed = tuple(name for name, t, w in zip(("gate_up_proj", "down_proj"), spent, weights)
+                      if t is w and sole_owner(t))
+        if freed:
+            kw["spent_weights"] = freed
     return _kernels().fused_moe_backward(grad_out, grad_topk_weights, hidden_states, *rest, **kw,
                                          gate_up_out=gate_up_out, overwrite_gate_up_out=overwrite)
 

@@ -613,13 +613,14 @@ def _backward(grad_out, grad_topk_weights, hidden_states, router, router_bias, s
     # A spent W1 is read last by dgrad. Where dgrad's output is the smaller of the two, dgrad goes first, so that W1's
     # memory is free for the weight gradients; else W1 is freed after dgrad. (A graph's replay runs dgrad, and the
     # weight gradients follow each replay: they free every spent weight.)
-    dgrad_first = "gate_up_proj" in spent and not defer_weight_gradients and TK * H < gate_up_proj.numel()
-    w1_after_dgrad = "gate_up_proj" in spent and not defer_weight_gradients and not dgrad_first
+    w1_freed_here = "gate_up_proj" in spent and not defer_weight_gradients
+    dgrad_first = w1_freed_here and TK * H < gate_up_proj.numel()
+    w1_after_dgrad = w1_freed_here and not dgrad_first
+    freed_by_gradients = tuple(n for n in spent if n != "gate_up_proj") if w1_after_dgrad else spent
     # Weight gradients: each expert's rows reduced in sorted order. Deferred (a graph's capture): launched after
     # each replay of the rest, into new tensors (`graphs.GraphCache`'s finish).
     weight_gradients = functools.partial(_weight_gradients, eng=eng, kw=kw, top_k=K, rows_per_expert=rows_per_expert,
-                                         precision=precision,
-                                         spent=tuple(n for n in spent if not (w1_after_dgrad and n == "gate_up_proj")))
+                                         precision=precision, spent=freed_by_gradients)
     work = [disp.layout, wgrad_go, x, w_flat, act_w, dh, gos, xs, gate_up_proj, gate_up_bias, down_proj, down_bias]
     del act_w, gos, xs, wgrad_go  # (held by `work` alone: the weight gradients free them after their last read)
 

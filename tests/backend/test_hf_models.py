@@ -193,15 +193,11 @@ def test_compiled_lora_backward_frees_the_computed_weights(monkeypatch):
             torch._dynamo.reset()
             before = counters["mok"]["spent_weights"]
             with torch._inductor.config.patch(fx_graph_cache=False), \
-                    torch._functorch.config.patch(enable_autograd_cache=False):
+                    torch._functorch.config.patch(enable_autograd_cache=False), pytest.MonkeyPatch.context() as mp:
                 if not spend:  # the same compile with no weight spent
-                    with pytest.MonkeyPatch.context() as mp:
-                        mp.setattr(backward_consume, "_spent_weight", lambda value: False)
-                        compiled = torch.compile(block, backend=mok_backend)
-                        step(compiled, x)
-                else:
-                    compiled = torch.compile(block, backend=mok_backend)
-                    step(compiled, x)
+                    mp.setattr(backward_consume, "_spent_weight", lambda value: False)
+                compiled = torch.compile(block, backend=mok_backend)
+                step(compiled, x)
             assert counters["mok"]["spent_weights"] == before + (2 if spend else 0)
             for _ in range(2):  # (the graph's capture, then its replay; plans record, then replay)
                 step(compiled, x)

@@ -196,14 +196,16 @@ def _spent_in_compiled_backward(module, x):
     from mok_compile.ops.library import SPENT_KWARGS
     from mok_compile.passes import fuse_moe
 
-    spent, positions = [], {"spent_gate_up_proj": 6, "spent_down_proj": 8}
+    from mok_compile.passes.backward_consume import _SPENT_POSITIONS
+
+    spent = []
 
     def bw(gm, _inputs):
         consume_saved_gate_up(gm.graph)
         gm.recompile()
         for n in gm.graph.nodes:
             if n.target is CONSUME:  # each spent weight is the very node the op reads as that weight
-                assert all(n.kwargs.get(k) in (None, n.args[positions[k]]) for k in SPENT_KWARGS)
+                assert all(n.kwargs.get(k) in (None, n.args[_SPENT_POSITIONS[k]]) for k in SPENT_KWARGS)
                 spent.append({k for k in SPENT_KWARGS if n.kwargs.get(k) is not None})
         return make_boxed_func(gm.forward)
 
