@@ -22,7 +22,7 @@ backward held it beside its gradient: both weights and both gradients at once, o
 eager backward. The forward pass marks such a weight (`mark_spent_weights`: a computing node the op alone reads);
 here, where that mark reaches a saved tensor read by this node alone, it is passed again as `spent_gate_up_proj` /
 `spent_down_proj`, and the CUDA kernels free it once read (if the graph is freed, and only where the tensor holds
-its memory alone; opt-in for now, `MOK_SPENT_WEIGHTS=1`). Counted in `counters["mok"]["spent_weights"]`.
+its memory alone; `MOK_SPENT_WEIGHTS=0` turns it off). Counted in `counters["mok"]["spent_weights"]`.
 """
 
 from __future__ import annotations

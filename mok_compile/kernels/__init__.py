@@ -85,9 +85,9 @@ def fused_moe_backward_consume_cuda(grad_out, grad_topk_weights, hidden_states, 
 
 
 def frees_spent_weights() -> bool:
-    """Whether spent weights are freed: `MOK_SPENT_WEIGHTS=1`. Off by default until a GPU run has checked it (written
-    and tested on the CPU, interpreted, in v79, which got no GPU); off, they are only read."""
-    return os.environ.get("MOK_SPENT_WEIGHTS", "0") == "1"
+    """Whether spent weights are freed: on unless `MOK_SPENT_WEIGHTS=0` (checked on a GPU in v80); off, they are only
+    read, as before v79."""
+    return os.environ.get("MOK_SPENT_WEIGHTS", "1") != "0"
 
 
 def sole_owner(t: torch.Tensor) -> bool:

@@ -105,7 +105,7 @@ FUSED_MOE_TRAIN_SCHEMA = (
 # `spent_gate_up_proj`, `spent_down_proj`: the call's own `gate_up_proj` / `down_proj` again, given where that weight is
 # a tensor the graph computed for this block alone (a LoRA delta added, experts stacked) and saved for this backward
 # only: with h, the CUDA kernels then free its memory once read, before the weight gradients are made (the compiled
-# backward otherwise holds both weights and both their gradients at once), where `MOK_SPENT_WEIGHTS=1`
+# backward otherwise holds both weights and both their gradients at once), unless `MOK_SPENT_WEIGHTS=0`
 # (`kernels.frees_spent_weights`). Ignored elsewhere, as h's overwrite is.
 FUSED_MOE_BACKWARD_CONSUME_SCHEMA = (
     f"fused_moe_backward_consume(Tensor grad_out, Tensor? grad_topk_weights, Tensor hidden_states, {_WEIGHTS}, "

@@ -166,7 +166,7 @@ def test_compiled_lora_backward_frees_the_computed_weights(monkeypatch):
     from mok_compile.backend import mok_backend
     from mok_compile.passes import backward_consume
 
-    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "1")  # (off by default until this test has run on a GPU)
+    monkeypatch.delenv("MOK_SPENT_WEIGHTS", raising=False)  # on by default
     sizes = hf_blocks.BlockSizes(hidden=512, intermediate=256, experts=32, top_k=4)
     block = hf_blocks.make_block("qwen3_moe", sizes, dtype=torch.bfloat16, device="cuda").train()
     hf_blocks.add_expert_lora_(block, rank=4)

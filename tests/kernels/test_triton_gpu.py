@@ -413,9 +413,9 @@ def test_backward_consume_frees_spent_weights(T, monkeypatch):
     computed for the op alone) are freed once read, and the gradients are the plain backward's bit for bit, call
     after call (a few-token graph's replay, launch plans' record and replay). T = 64 and 333 (dgrad's output smaller
     than W1: dgrad first), 1500 (larger: W1 freed after dgrad). Left as they are: a view, a weight another tensor
-    shares, a tensor that is not the weight it names, any weight where the call only reads h, and every one without
-    MOK_SPENT_WEIGHTS=1 (off by default until this test has run on a GPU)."""
-    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "1")
+    shares, a tensor that is not the weight it names, any weight where the call only reads h, and every one with
+    MOK_SPENT_WEIGHTS=0 (on by default)."""
+    monkeypatch.delenv("MOK_SPENT_WEIGHTS", raising=False)
     tensors, kw = make_case("qwen3", T=T, H=128, I=96, E=8, K=2, dtype=torch.bfloat16, device=DEV)
     out, w, ids, h, *_ = torch.ops.mok.fused_moe_train(*tensors, **kw)
     go, gw = torch.randn_like(out), torch.ones_like(w)

@@ -290,7 +290,7 @@ def test_only_a_computed_weight_the_op_alone_reads_is_marked_spent():
 def test_the_kernels_free_a_spent_weight_only_where_it_holds_its_memory_alone(monkeypatch):
     """The CUDA entry's run-time checks (`kernels.sole_owner`, `kernels.frees_spent_weights`), on CPU tensors: a tensor
     alone on its storage may be freed; one with a view of it alive, a view, or one sharing a parameter's storage may
-    not; and nothing is freed unless MOK_SPENT_WEIGHTS=1."""
+    not; and nothing is freed with MOK_SPENT_WEIGHTS=0 (on by default)."""
     from mok_compile.kernels import frees_spent_weights, sole_owner
 
     weight = torch.randn(4, 6, 8)
@@ -302,6 +302,6 @@ def test_the_kernels_free_a_spent_weight_only_where_it_holds_its_memory_alone(mo
     parameter = torch.nn.Parameter(torch.randn(4, 6, 8))
     assert not sole_owner(parameter.detach())
     monkeypatch.delenv("MOK_SPENT_WEIGHTS", raising=False)
-    assert not frees_spent_weights()
-    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "1")
     assert frees_spent_weights()
+    monkeypatch.setenv("MOK_SPENT_WEIGHTS", "0")
+    assert not frees_spent_weights()
