@@ -43,6 +43,11 @@ def _register_backend_name():
 
 if _IN_CHECKOUT:  # an install (editable or not) declares the entry point
     _register_backend_name()
+    # The backend module is imported at its first call there, after Dynamo traced: install now what it would
+    # (a no-op unless PEFT's LoRA layers are imported).
+    from . import peft_experts as _peft_experts
+
+    _peft_experts.install()
 
 
 def __getattr__(name):

@@ -25,17 +25,21 @@ from typing import Callable, Sequence
 import torch
 from torch._dynamo.utils import counters
 
-from . import ddp, diagnostics
+from . import ddp, diagnostics, peft_experts
 from .config import BackendOptions, parse_options
 
 log = logging.getLogger("mok_compile.backend")
 diagnostics.configure_logging()
+# `torch.compile(..., backend="mok")` imports this module before Dynamo traces: PEFT's LoRA on expert weights then
+# traces in one graph with its router (`peft_experts`).
+peft_experts.install()
 
 
 def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: dict | None = None,
                 mode: str | None = None) -> Callable:
     """Dynamo backend: rewrite every provable MoE block of `gm`, then compile with the inner compiler."""
     opts = parse_options(options, mode)
+    peft_experts.install()  # (for the compiles after this one, where PEFT was imported after this module)
     report = fuse_graph(gm, example_inputs, opts)
     diagnostics.warn_untraced_checkpoints()
     if ddp.cut_by_dynamo(gm):

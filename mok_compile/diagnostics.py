@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ddp
+from . import ddp, peft_experts
 from .passes.eager_fragments import FORM as EAGER_FRAGMENT_FORM
 
 LOGGER_NAME = "mok_compile"
@@ -252,6 +252,7 @@ def explain(model, *example_inputs, validate: bool = True, **kwargs) -> ExplainR
 
     from mok_compile.passes import fuse_moe
 
+    peft_experts.install()  # (as `backend="mok"` does: PEFT's LoRA on experts traced with their router)
     report = ExplainReport()
     located = []  # break reasons of the graphs we received, with the user's source line
 

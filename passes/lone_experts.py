@@ -36,9 +36,11 @@ from .region import is_split_expert_gemm, is_table_lookup, looked_up_ids
 FORM = "experts_alone"
 REASON = ("expert GEMMs (grouped_mm) without a router in this graph: a graph break between the routing and the "
           "experts (such as the host read of transformers' all-to-all expert parallelism, or PEFT's LoRA on the "
-          "expert weights, which registers a parametrization on each call, where Dynamo breaks the graph) split the "
-          "block, and the op fuses a router with its experts (for inference, merge PEFT's adapters first: "
-          "`model.merge_and_unload()`; a parametrization registered once, with torch.nn.utils.parametrize, fuses)")
+          "expert weights run by PEFT's own forward, which registers a parametrization on each call, where Dynamo "
+          "breaks the graph: with MOK_TRACE_PEFT=0, or adapters in a state `mok_compile.peft_experts` leaves to "
+          "PEFT) split the block, and the op fuses a router with its experts (for inference, merge PEFT's adapters "
+          "first: `model.merge_and_unload()`; a parametrization registered once, with torch.nn.utils.parametrize, "
+          "fuses)")
 SLICES_REASON = ("per-expert GEMMs over slices W[e] of stacked expert weights without a router in this graph: a "
                  "host read of the experts' token counts (`.tolist()`, as JetMoE's split sizes) split the block; set "
                  "torch._dynamo.config.capture_scalar_outputs = True to keep it in one graph")
