@@ -187,4 +187,7 @@ def module_path(node: fx.Node) -> str | None:
     path = list(stack.values())[-1][0]
     path = re.sub(r"^L\['[^']+'\]\.?", "", path)      # Dynamo's name for the compiled module (its self argument)
     path = re.sub(r"\[(\d+)\]", r".\1", path)          # layers[0] -> layers.0
-    return re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    # ._modules['mlp'] -> .mlp; __dict__['_modules']['base_model'] (a module reached through its __dict__, as PEFT's
+    # wrappers are) -> base_model
+    path = re.sub(r"(?:\.|^)(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]", r".\1", path)
+    return path.lstrip(".")

@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from mok_compile import peft_experts
+from mok_compile.hf_blocks import checkpoint_layers
 
 from .helpers import BF16_GRAD_TOL, NUM_LAYERS, assert_close_rel, forward, tiny_model, token_ids
 from .test_hf_models import AOT, TOL, _check_step
@@ -19,11 +20,12 @@ TARGETS = {"qwen3_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
            "mixtral": ["mlp.experts.down_proj"]}
 
 
-def lora_model(family, dtype=torch.float32, adapters=("default",)):
-    """A tiny CausalLM of `family` with PEFT LoRA (rank 4, random B so that the delta is not 0) on its expert weights,
-    every adapter in `adapters` active."""
+def lora_model(family, dtype=torch.float32, adapters=("default",), modules=()):
+    """A tiny CausalLM of `family` with PEFT LoRA (rank 4, random B so that the delta is not 0) on its expert weights
+    and on the linear layers named in `modules`, every adapter in `adapters` active."""
     model = tiny_model(family, dtype)
-    config = dict(r=4, lora_alpha=8, target_modules=[], target_parameters=TARGETS[family], init_lora_weights=False)
+    config = dict(r=4, lora_alpha=8, target_modules=list(modules), target_parameters=TARGETS[family],
+                  init_lora_weights=False)
     torch.manual_seed(1)
     model = peft.get_peft_model(model, peft.LoraConfig(**config), adapter_name=adapters[0])
     for name in adapters[1:]:
@@ -57,6 +59,25 @@ def test_peft_expert_lora_trains_fused(family, dtype):
 def test_two_active_adapters_train_fused():
     """Two adapters active at once: PEFT sums their deltas onto the weight (its other proxy); fused, as eager."""
     _check_step(lora_model("qwen3_moe", adapters=("default", "second")), torch.float32, train=True)
+
+
+def test_lora_on_attention_and_experts_trains_fused():
+    """The usual fine-tuning config: LoRA on attention projections (PEFT's LoRA Linear, which Dynamo traces as it is)
+    beside the experts' weights: one graph, every layer fused, every factor's gradient as eager's."""
+    model = lora_model("qwen3_moe", modules=("q_proj", "v_proj"))
+    assert sum(p.requires_grad for p in model.parameters()) == 2 * NUM_LAYERS * 4
+    _check_step(model, torch.float32, train=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_checkpointed_layers_train_fused():
+    """Every decoder layer activation-checkpointed (Dynamo traces the regions, `hf_blocks.checkpoint_layers`): the
+    traced forward runs inside each region's body, every layer fused, gradients as eager's. (PEFT's hook that makes
+    the embeddings' output require grad for checkpointing still breaks the graph, outside the blocks.)"""
+    model = lora_model("qwen3_moe")
+    checkpoint_layers(model.base_model.model)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        _check_step(model, torch.float32, train=True)
 
 
 def test_peft_forward_breaks_the_graph_and_fuses_nothing(monkeypatch):
