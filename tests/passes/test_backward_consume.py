@@ -237,6 +237,15 @@ def _spent_module(name):
         block = hf_blocks.make_block("qwen3_moe", hf_blocks.BlockSizes(hidden=32, intermediate=16, experts=8, top_k=2))
         hf_blocks.add_expert_lora_(block, rank=2)
         return block.train(), torch.randn(1, 12, 32)
+    if name == "peft_qwen3":  # PEFT's LoRA on both expert weights, traced with the router (`peft_experts`)
+        peft = pytest.importorskip("peft")
+        from mok_compile import peft_experts
+
+        block = hf_blocks.make_block("qwen3_moe", hf_blocks.BlockSizes(hidden=32, intermediate=16, experts=8, top_k=2))
+        config = peft.LoraConfig(r=2, target_modules=[], init_lora_weights=False,
+                                 target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+        assert peft_experts.install()
+        return peft.inject_adapter_in_model(config, block).train(), torch.randn(1, 12, 32)
     module = {"computed": models.ComputedWeightsMoE, "module_list": models.DenseMaskMoE,
               "parameters": models.StackedGatherMoE}[name]()
     return module.train(), torch.randn(12, 32)
@@ -244,6 +253,7 @@ def _spent_module(name):
 
 @pytest.mark.parametrize("name, want", [
     ("lora_qwen3", {"spent_gate_up_proj", "spent_down_proj"}),  # W + B @ A on both
+    ("peft_qwen3", {"spent_gate_up_proj", "spent_down_proj"}),  # PEFT's baddbmm(W, lhs, rhs) on both
     ("computed", {"spent_gate_up_proj", "spent_down_proj"}),  # g * v, and W + B @ A
     ("module_list", {"spent_gate_up_proj", "spent_down_proj"}),  # the experts' weights stacked for the op
     ("parameters", set()),  # near miss: the weights are the model's own
