@@ -120,6 +120,20 @@ def test_adapters_disabled_run_the_base_model_fused():
     assert (with_lora - want[0]).abs().max() > 1e-3  # (the adapters do change the logits)
 
 
+def test_merged_adapters_run_the_merged_model_fused():
+    """Adapters merged into the weights (`merge_adapter()`): PEFT's forward calls the experts as they are, fused, the
+    merged model's logits (within fp32 rounding of the unmerged adapters')."""
+    model = lora_model("qwen3_moe")
+    ids = token_ids()
+    unmerged = forward(model, ids)[0]
+    model.base_model.merge_adapter()
+    want = forward(model, ids)
+    got = forward(model, ids, backend="mok", options=AOT)
+    assert counters["mok"]["fused_moe"] == NUM_LAYERS and not counters["graph_break"]
+    assert_close_rel(got[0], want[0], TOL[torch.float32]["logits"], "logits")
+    assert_close_rel(want[0], unmerged, 1e-5, "merged logits")
+
+
 def test_eager_calls_run_peft_forward():
     """Outside a compile the installed forward is PEFT's: the same logits bit for bit as with it uninstalled."""
     model = lora_model("qwen3_moe")
