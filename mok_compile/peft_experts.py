@@ -33,9 +33,12 @@ _UNTRACED = object()  # `traced_forward`'s answer where PEFT's own forward must 
 
 def install() -> bool:
     """Give PEFT's `ParamWrapper` the traceable forward, if PEFT's LoRA layers are imported and laid out as this
-    module expects (idempotent). Whether it is installed."""
+    module expects (idempotent); with MOK_TRACE_PEFT=0, PEFT's own back. Whether it is installed."""
+    if os.environ.get("MOK_TRACE_PEFT", "1") == "0":
+        uninstall()
+        return False
     layer = sys.modules.get(_LAYER_MODULE)
-    if layer is None or os.environ.get("MOK_TRACE_PEFT", "1") == "0" or not all(hasattr(layer, n) for n in _NAMES):
+    if layer is None or not all(hasattr(layer, n) for n in _NAMES):
         return False
     wrapper = layer.ParamWrapper
     if getattr(wrapper.forward, "peft_forward", None) is not None:
