@@ -43,11 +43,13 @@ def _register_backend_name():
 
 if _IN_CHECKOUT:  # an install (editable or not) declares the entry point
     _register_backend_name()
-    # The backend module is imported at its first call there, after Dynamo traced: install now what it would
-    # (a no-op unless PEFT's LoRA layers are imported).
-    from . import peft_experts as _peft_experts
 
-    _peft_experts.install()
+# PEFT's LoRA on expert weights traced with its router (`peft_experts`; a no-op unless PEFT's LoRA layers are
+# imported). At import: `torch.compile(..., backend="mok")` imports this package through the entry point before
+# Dynamo traces (in a checkout, the user's own import registered the name); each backend call installs it too.
+from . import peft_experts as _peft_experts  # noqa: E402
+
+_peft_experts.install()
 
 
 def __getattr__(name):

@@ -30,9 +30,6 @@ from .config import BackendOptions, parse_options
 
 log = logging.getLogger("mok_compile.backend")
 diagnostics.configure_logging()
-# `torch.compile(..., backend="mok")` imports this module before Dynamo traces: PEFT's LoRA on expert weights then
-# traces in one graph with its router (`peft_experts`).
-peft_experts.install()
 
 
 def mok_backend(gm: torch.fx.GraphModule, example_inputs: Sequence, *, options: dict | None = None,

@@ -14,7 +14,7 @@ A chain in any other state (adapters disabled or merged, a mixed-adapter batch, 
 layout of PEFT's this module does not know) also runs PEFT's forward, and breaks the graph as before.
 
 Installed when PEFT's LoRA layers are imported by the time `backend="mok"` is looked up (`torch.compile(...,
-backend="mok")` imports `mok_compile.backend`), or by `explain`. `MOK_TRACE_PEFT=0` leaves PEFT as it is. The
+backend="mok")` imports `mok_compile`), at each backend call, and by `explain`. `MOK_TRACE_PEFT=0` leaves PEFT as it is. The
 patch is PEFT's class's, so a compile with another backend in the same process traces the same way.
 """
 
