@@ -4,6 +4,7 @@
     python -m benchmarks.e2e_qwen3 --out DIR --decode 1,8,64
     python -m benchmarks.e2e_qwen3 --out DIR --seq 256 --batch 1 --mode reduce-overhead
     python -m benchmarks.e2e_qwen3 --out DIR --checkpoint     # every decoder layer activation-checkpointed
+    python -m benchmarks.e2e_qwen3 --out DIR --peft-rank 16   # PEFT LoRA fine-tuning (attention and experts)
     torchrun --nproc-per-node 2 -m benchmarks.e2e_qwen3 --out DIR --ddp     # DDP over two GPUs
 
 Random weights (std 0.02), bf16, experts_implementation="grouped_mm" (transformers' default).
@@ -28,6 +29,11 @@ reports the training step's peak memory above what was allocated before it (grad
 --decode B,... times, per batch size B, a decode-shaped forward instead (B sequences of one token, no KV cache,
 no_grad; the MoE layers see T = B tokens), in default mode: inductor, mok, and mok with the op's few-token CUDA
 graphs off (`mok_compile.kernels.graphs`, NOTES v49), in alternating rounds.
+--peft-rank R fine-tunes with PEFT's LoRA of rank R, as a PEFT user does: `get_peft_model` with LoRA on the attention
+projections (q/k/v/o_proj) and on the expert weights (`target_parameters`), the base weights frozen. Three variants:
+inductor with PEFT's forward as it ships (its registration of a parametrization on each call breaks the graph in
+every MoE layer), inductor with the forward `mok_compile.peft_experts` traces (one graph; that module is installed
+for any backend once mok_compile is imported), and mok (that graph, each block fused).
 --model gemma4 runs a Gemma 4 text model instead, every layer with a dense MLP and an MoE block beside it (its router
 on its own normalisation of the residual, weights times a learned per-expert scale: the op's `expert_scale`), at
 sizes chosen here: hidden 2816, 128 experts top-8 of intermediate 704, dense MLP 2112, 16 heads of 256 (8 KV),
@@ -46,6 +52,7 @@ checkout on PYTHONPATH works: mok_compile maps passes/ itself).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -115,6 +122,35 @@ def build_model(layers, seq, model="qwen3"):
             else:
                 p.copy_(torch.randn(p.shape, device="cuda", generator=gen) * 0.02)
     return lm.train()
+
+
+def with_peft_lora(model, rank):
+    """`model` fine-tuned as PEFT does it: LoRA of `rank` (alpha 2 * rank, B random rather than PEFT's zeros, so that
+    the delta is not 0) on the attention projections and both expert weights, the base weights frozen."""
+    import peft
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = peft.get_peft_model(model, config)
+    from mok_compile import peft_experts
+
+    if not peft_experts.install():
+        raise SystemExit(f"peft {peft.__version__}: mok_compile.peft_experts does not know its LoRA layers")
+    return model
+
+
+@contextlib.contextmanager
+def _peft_as_shipped():
+    """PEFT's own `ParamWrapper.forward` for the compiled call inside (what a user without mok compiles)."""
+    from mok_compile import peft_experts
+
+    peft_experts.uninstall()
+    try:
+        yield
+    finally:
+        peft_experts.install()
 
 
 def step_split(step) -> dict:
@@ -212,11 +248,16 @@ def main():
     ap.add_argument("--decode", help="comma-separated batch sizes: time one-token forwards instead (docstring)")
     ap.add_argument("--model", default="qwen3", choices=sorted(MOE_SIZES), help="the model (see the docstring)")
     ap.add_argument("--checkpoint", action="store_true", help="activation-checkpoint every decoder layer")
+    ap.add_argument("--peft-rank", type=int, default=0, help="PEFT LoRA fine-tuning of this rank (the docstring)")
     args = ap.parse_args()
+    if args.peft_rank and (args.ddp or args.decode or args.profile):
+        raise SystemExit("--peft-rank times a single-GPU training step and prefill; not with --ddp, --decode or "
+                         "--profile")
     os.makedirs(args.out, exist_ok=True)
     if args.decode:
         return decode(build_model(args.layers, args.seq, args.model).eval(), [int(b) for b in args.decode.split(",")],
                       args.out, args.model)
+    from benchmarks.compiled_blocks import settle
     from benchmarks.moe_layer import time_in_rounds
     from benchmarks.power import ms_per_call
     from mok_compile.backend import mok_backend
@@ -241,6 +282,10 @@ def main():
                     ("mok (DDP, optimize_ddp=False, uncut)", whole, False)]
     else:
         model = build_model(args.layers, args.seq, args.model)
+    if args.peft_rank:
+        model = with_peft_lora(model, args.peft_rank)
+        variants = [("inductor (PEFT as shipped)", "inductor", None), ("inductor (PEFT traced)", "inductor", None),
+                    ("mok", mok_backend, None)]
     if args.checkpoint:
         from mok_compile.hf_blocks import checkpoint_layers
 
@@ -253,7 +298,8 @@ def main():
     tokens = args.batch * args.seq
     results, tails, steps = {}, {}, {}
     torch._dynamo.reset()
-    torch._dynamo.config.cache_size_limit = 64
+    # (--peft-rank: Dynamo's default recompile limit, which ends PEFT's recompiles (`settle`) as a user's run ends them)
+    torch._dynamo.config.cache_size_limit = 8 if args.peft_rank else 64
     for name, backend, optimize_ddp in variants:
         # No reset between the variants: every compiled step stays callable, so that all are timed in alternating
         # rounds on the same heap and host state. Dynamo keys its cache entries by the backend callable, so each
@@ -263,14 +309,16 @@ def main():
         compiled = torch.compile(model, backend=own, mode=args.mode)
         patch = {} if optimize_ddp is None else {"optimize_ddp": optimize_ddp}
 
-        def train_step(compiled=compiled, patch=patch):
-            with torch._dynamo.config.patch(**patch):
+        peft_forward = _peft_as_shipped if "as shipped" in name else contextlib.nullcontext
+
+        def train_step(compiled=compiled, patch=patch, peft_forward=peft_forward):
+            with torch._dynamo.config.patch(**patch), peft_forward():
                 torch.compiler.cudagraph_mark_step_begin()  # (a no-op without CUDA graphs)
                 model.zero_grad(set_to_none=True)
                 compiled(input_ids=ids, labels=ids).loss.backward()
 
-        def prefill(compiled=compiled, patch=patch):
-            with torch._dynamo.config.patch(**patch), torch.no_grad():
+        def prefill(compiled=compiled, patch=patch, peft_forward=peft_forward):
+            with torch._dynamo.config.patch(**patch), torch.no_grad(), peft_forward():
                 torch.compiler.cudagraph_mark_step_begin()
                 return compiled(input_ids=ids)
 
@@ -278,10 +326,12 @@ def main():
         train_step()
         tails[name] = prefill().logits[:, -8:].float()  # same weights and input: the backends must agree
         torch.cuda.synchronize()
-        results[name] = {"compile_s": time.time() - t0, "mok_counters": dict(counters["mok"])}
+        results[name] = {"compile_s": time.time() - t0, "mok_counters": dict(counters["mok"]),
+                         "graph_breaks": sum(counters["graph_break"].values())}
         for _ in range(2):  # warm: the op's few-token graphs are captured on a signature's second call
             train_step()
             prefill()
+        results[name]["warm_calls"] = [settle(train_step), settle(prefill)]  # PEFT as shipped: its recompiles
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
@@ -317,7 +367,8 @@ def main():
         r[name]["logits_rel_err_vs_" + base.split()[0]] = err = ((a - b).norm() / a.norm()).item()
         say(f"{name} / {base}: train {r[name]['train_tok_s'] / r[base]['train_tok_s']:.2f}x, prefill "
             f"{r[name]['prefill_tok_s'] / r[base]['prefill_tok_s']:.2f}x; logits rel err {err:.1e}; "
-            f"{r[name]['mok_counters']}")
+            f"{r[name]['mok_counters']}" + (f"; graph breaks {r[name]['graph_breaks']} (the baseline's "
+                                             f"{r[base]['graph_breaks']})" if args.peft_rank else ""))
     if args.profile and not args.ddp:
         print_bound(results, args.layers, tokens, args.model)
     from mok_compile.kernels import moe
@@ -328,8 +379,9 @@ def main():
                                         for name, (n, b) in results["op_graphs"].items()))
     if rank == 0:
         name = (f"e2e_{args.model}" + ("_ddp" if args.ddp else "") + (f"_{args.mode}" if args.mode else "")
-                + ("_checkpointed" if args.checkpoint else "") + ".json")
-        results["mode"], results["checkpoint"] = args.mode, args.checkpoint
+                + ("_checkpointed" if args.checkpoint else "") + (f"_peft{args.peft_rank}" if args.peft_rank else "")
+                + ".json")
+        results["mode"], results["checkpoint"], results["peft_rank"] = args.mode, args.checkpoint, args.peft_rank
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(results, f, indent=1)
     if args.ddp:

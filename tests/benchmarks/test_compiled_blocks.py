@@ -32,3 +32,29 @@ def test_each_family_builds_at_its_sizes():
 def test_unknown_family_is_named():
     with pytest.raises(SystemExit, match=r"unknown families \['mixtral'\]; known: muse_spark, ergo, zaya, granitemoe"):
         main(["--families", "zaya,mixtral"])
+
+
+def test_lora_and_peft_lora_are_exclusive():
+    with pytest.raises(SystemExit, match="--lora-rank and --peft-rank are two ways to add LoRA; give one"):
+        main(["--families", "qwen3_moe", "--lora-rank", "4", "--peft-rank", "4"])
+
+
+def test_peft_lora_baseline_runs_peft_as_shipped():
+    """--peft-rank: only PEFT's LoRA factors train; the compiled baseline traces PEFT's own forward (its graph
+    breaks), the traced one back after each call for the `backend="mok"` column."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks.compiled_blocks import _with_peft_as_shipped, add_peft_expert_lora
+
+    peft = pytest.importorskip("peft")
+    block = add_peft_expert_lora(hf_blocks.make_block("qwen3_moe", hf_blocks.BlockSizes()), rank=4)
+    trainable = [n for n, p in block.named_parameters() if p.requires_grad]
+    assert len(trainable) == 4 and all(".lora_" in n for n in trainable), trainable
+    wrapper = peft.tuners.lora.layer.ParamWrapper
+    x = torch.randn(1, 5, hf_blocks.BlockSizes().hidden)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _with_peft_as_shipped(torch.compile(lambda x: block(x), backend="aot_eager"))
+    torch.testing.assert_close(compiled(x), block(x))
+    assert sum(counters["graph_break"].values()) > 0
+    assert wrapper.forward.peft_forward is not None  # the traced forward is back
