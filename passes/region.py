@@ -205,6 +205,7 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
     and what a matmul computes from them is no longer the choice (a sparse attention's top-k, as DeepSeek-V4's
     indexer, picks keys whose attention output reaches the next layer's experts)."""
     seen, work = set(), [ids]
+    computed = _ComputedWeights(flow, ids, set())  # weights computed from module state (a LoRA delta) past the ids
     while work:
         n = work.pop()
         if n in seen or len(seen) > 5000:
@@ -213,8 +214,8 @@ def dispatch_evidence(flow: Dataflow, ids: fx.Node) -> bool:
         name = op_name(n)
         if n is not ids and name == "topk":
             continue
-        if name in MATMUL_OPS and any((m := tensor_meta(a)) is not None and m.dim() == 3 and _is_source(a)
-                                      for a in n.all_input_nodes):
+        if name in MATMUL_OPS and any((m := tensor_meta(a)) is not None and m.dim() == 3
+                                      and (_is_source(a) or a in computed) for a in n.all_input_nodes):
             return True  # a batched matmul over stacked expert weights
         if is_split_expert_gemm(n, same_expert=False):
             return True  # rows grouped by the ids, one expert's part through its weight (JetMoE's split loop)

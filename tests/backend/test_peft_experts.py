@@ -10,20 +10,21 @@ from torch._dynamo.utils import counters
 from mok_compile import peft_experts
 from mok_compile.hf_blocks import checkpoint_layers
 
-from .helpers import BF16_GRAD_TOL, NUM_LAYERS, assert_close_rel, forward, tiny_model, token_ids
+from .helpers import BF16_GRAD_TOL, NUM_LAYERS, assert_close_rel, forward, tiny_llama4, tiny_model, token_ids
 from .test_hf_models import AOT, TOL, _check_step
 
 peft = pytest.importorskip("peft")
 
 TARGETS = {"qwen3_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
            "gpt_oss": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-           "mixtral": ["mlp.experts.down_proj"]}
+           "mixtral": ["mlp.experts.down_proj"],
+           "llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]}
 
 
 def lora_model(family, dtype=torch.float32, adapters=("default",), modules=()):
     """A tiny CausalLM of `family` with PEFT LoRA (rank 4, random B so that the delta is not 0) on its expert weights
     and on the linear layers named in `modules`, every adapter in `adapters` active."""
-    model = tiny_model(family, dtype)
+    model = tiny_llama4(dtype) if family == "llama4" else tiny_model(family, dtype)
     config = dict(r=4, lora_alpha=8, target_modules=list(modules), target_parameters=TARGETS[family],
                   init_lora_weights=False)
     torch.manual_seed(1)
@@ -43,8 +44,9 @@ def _installed():
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_moe", torch.float32), ("gpt_oss", torch.float32),
-                                          ("mixtral", torch.float32), ("qwen3_moe", torch.bfloat16)],
-                         ids=["qwen3_moe-fp32", "gpt_oss-fp32", "mixtral-fp32", "qwen3_moe-bf16"])
+                                          ("mixtral", torch.float32), ("llama4", torch.float32),
+                                          ("qwen3_moe", torch.bfloat16)],
+                         ids=["qwen3_moe-fp32", "gpt_oss-fp32", "mixtral-fp32", "llama4-fp32", "qwen3_moe-bf16"])
 def test_peft_expert_lora_trains_fused(family, dtype):
     """One graph, no break; each layer's LoRA'd experts fused with their router (gate_up and down, or down alone);
     logits, loss and the gradient of every LoRA factor as PEFT's eager step (`_check_step` counts the fused

@@ -746,6 +746,9 @@ class DenseScaledInputMoE(nn.Module):
       experts included (zero fill), instead of their inputs;
     - "scores_twice": the scores scale the experts' inputs and again their outputs;
     - "expert_bias": the first projection has a bias, so an unchosen expert (zero input) still contributes.
+    Computed weights (`variant`), both computed after the routing, as PEFT's LoRA on a Llama4's experts is traced:
+    - "lora": a LoRA delta ``W + B @ A`` on both expert weights (fused: the op takes the computed weights);
+    - "lora_by_tokens": the same, the gate_up weight also scaled by a statistic of the tokens (a near miss).
     """
 
     def __init__(self, hidden=32, inter=16, experts=4, top_k=2, variant=None):
@@ -755,6 +758,9 @@ class DenseScaledInputMoE(nn.Module):
         self.w_in = nn.Parameter(torch.randn(experts, hidden, 2 * inter) / hidden ** 0.5)
         self.w_out = nn.Parameter(torch.randn(experts, inter, hidden) / inter ** 0.5)
         self.b_in = nn.Parameter(torch.randn(experts, 2 * inter)) if variant == "expert_bias" else None
+        if variant in ("lora", "lora_by_tokens"):
+            self.lora_in = nn.ParameterList([torch.randn(experts, hidden, 2) * 0.1, torch.randn(experts, 2, 2 * inter)])
+            self.lora_out = nn.ParameterList([torch.randn(experts, inter, 2) * 0.1, torch.randn(experts, 2, hidden)])
         self.side = SwiGLUExpert(hidden, inter)
 
     def forward(self, hidden_states):
@@ -769,11 +775,17 @@ class DenseScaledInputMoE(nn.Module):
             xin = x.repeat(self.num_experts, 1).view(self.num_experts, -1, H)
         else:
             xin = (x.repeat(self.num_experts, 1) * scores.transpose(0, 1).reshape(-1, 1)).view(self.num_experts, -1, H)
-        h = torch.bmm(xin, self.w_in)
+        w_in, w_out = self.w_in, self.w_out
+        if self.variant in ("lora", "lora_by_tokens"):
+            w_in = w_in + self.lora_in[0] @ self.lora_in[1]
+            w_out = w_out + self.lora_out[0] @ self.lora_out[1]
+            if self.variant == "lora_by_tokens":
+                w_in = w_in * x.abs().mean()
+        h = torch.bmm(xin, w_in)
         if self.b_in is not None:
             h = h + self.b_in.unsqueeze(1)
         gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm(up * F.silu(gate), self.w_out)
+        y = torch.bmm(up * F.silu(gate), w_out)
         if self.variant in ("scores_after", "scores_twice"):
             y = y * scores.transpose(0, 1).unsqueeze(-1)
         out = self.side(x)

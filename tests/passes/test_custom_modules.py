@@ -821,11 +821,28 @@ def test_dense_weight_on_input_from_scratch(top_k):
     torch.testing.assert_close(_first(run(gm, example)), eager, **TOL)
 
 
+def test_dense_weight_on_input_with_computed_weights_fused():
+    """The dense form whose expert weights carry a LoRA delta computed after the routing (PEFT's LoRA on Llama4's
+    experts, traced): the ids reach a bmm over weights computed from parameters alone, so the block is a candidate
+    (`region.dispatch_evidence`), and fused with the op taking the computed weights; outputs and every gradient as
+    eager's. Its near miss, the weight also scaled by the tokens, is in `test_dense_weight_on_input_near_misses`."""
+    torch.manual_seed(0)
+    module = models.DenseScaledInputMoE(variant="lora")
+    gm, example, report, eager = _fuse(module, torch.randn(2, 5, 32))
+    assert [(b.fused, b.form) for b in report.blocks] == [(True, "dense_bmm")], str(report)
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.mok.fused_moe.default]
+    assert (op_name(op.args[4]), op_name(op.args[6])) == ("add", "add"), gm.code  # W + B @ A, before the op
+    torch.testing.assert_close(_first(run(gm, example)), eager, **TOL)
+    grads = _check_gradients(gm, example, module)
+    assert all(g is not None for g in grads), [g is None for g in grads]
+
+
 @pytest.mark.parametrize("variant,reason", [
     ("zero_fill", "-inf"),
     ("scores_after", None),  # the ids reach no expert matmul: not even a candidate block
     ("scores_twice", "used elsewhere"),
     ("expert_bias", "bias"),
+    ("lora_by_tokens", None),  # a weight scaled by the tokens is no expert weight: not a candidate either
 ])
 def test_dense_weight_on_input_near_misses(variant, reason):
     """Look-alikes of the dense form that are not a sparse weight-on-input MoE: not fused, graph unchanged."""
