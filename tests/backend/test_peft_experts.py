@@ -58,6 +58,20 @@ def test_peft_expert_lora_trains_fused(family, dtype):
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_lora_on_the_router_weight_too_trains_fused():
+    """LoRA on the router's weight as well (`target_parameters` takes a 2-D weight: one more ParamWrapper around the
+    router, not the experts): the traced forward computes it too, the op takes the computed router weight; fused, every
+    factor's gradient as eager's."""
+    model = tiny_model("qwen3_moe")
+    torch.manual_seed(1)
+    targets = ["mlp.gate.weight", *TARGETS["qwen3_moe"]]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_parameters=targets,
+                                                       init_lora_weights=False))
+    assert sum(p.requires_grad for p in model.parameters()) == 2 * NUM_LAYERS * 3
+    _check_step(model, torch.float32, train=True)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_two_active_adapters_train_fused():
     """Two adapters active at once: PEFT sums their deltas onto the weight (its other proxy); fused, as eager."""
     _check_step(lora_model("qwen3_moe", adapters=("default", "second")), torch.float32, train=True)
