@@ -67,6 +67,34 @@ def test_ddp_buckets_off_keeps_the_graph_whole(one_rank, no_dynamo_cutting):
     assert_same_step(got, want)
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "peft_as_shipped"])
+def test_peft_lora_on_experts_under_ddp(one_rank, no_dynamo_cutting, monkeypatch, traced):
+    """PEFT fine-tuning under DDP (LoRA on attention and both expert weights, the base frozen, as accelerate runs
+    it): every block fused, the step as eager DDP's. Near miss: PEFT's own forward (MOK_TRACE_PEFT=0) breaks the
+    graph in the blocks; nothing fuses, the step still eager DDP's."""
+    peft = pytest.importorskip("peft")
+    from mok_compile import peft_experts
+
+    def peft_model():
+        torch.manual_seed(1)
+        config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        return peft.get_peft_model(model(), config)
+
+    ids = token_ids()
+    want = train_step(DDP(peft_model(), bucket_cap_mb=BUCKET_MB), ids)
+    if not traced:
+        monkeypatch.setenv("MOK_TRACE_PEFT", "0")
+    try:
+        assert peft_experts.install() == traced
+        got = train_step(torch.compile(DDP(peft_model(), bucket_cap_mb=BUCKET_MB), backend="mok", options=AOT), ids)
+    finally:
+        monkeypatch.delenv("MOK_TRACE_PEFT", raising=False)
+        peft_experts.install()
+    assert counters["mok"]["fused_moe"] == (NUM_LAYERS if traced else 0), dict(counters["mok"])
+    assert_same_step(got, want)
+
+
 class DenseLayers(torch.nn.Module):
     """Four 1 MB linears (a module of ours: Dynamo does not compile torch.nn.Sequential's forward on its own)."""
 
