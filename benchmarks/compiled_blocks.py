@@ -82,11 +82,8 @@ def _with_peft_as_shipped(fn):
     """`fn` run with PEFT's own `ParamWrapper.forward` (what a user without mok compiles), the traced one put back
     after each call for the `backend="mok"` column."""
     def run(x):
-        peft_experts.uninstall()
-        try:
+        with peft_experts.shipped_forward():
             return fn(x)
-        finally:
-            peft_experts.install()
     return run
 
 
@@ -160,7 +157,6 @@ def run_family(family, tokens, rounds, mode=None, lora_rank=0, peft_rank=0):
                 print(f"{family}: the compiled backward does not consume the saved h" + (" (and y)" if post else ""))
             step = fwd_bwd(fn, x.clone().requires_grad_(), params)
             step()
-            settle(forward)
             settle(step)
             peak[name] = peak_bytes(step) / 1e9
             timed += [(("fwd", name), forward), (("fwd+bwd", name), step)]

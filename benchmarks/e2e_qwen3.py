@@ -148,18 +148,6 @@ def own_inductor(gm, example_inputs, mode=None):
     return torch._TorchCompileInductorWrapper(mode, None, None)(gm, example_inputs)
 
 
-@contextlib.contextmanager
-def _peft_as_shipped():
-    """PEFT's own `ParamWrapper.forward` for the compiled call inside (what a user without mok compiles)."""
-    from mok_compile import peft_experts
-
-    peft_experts.uninstall()
-    try:
-        yield
-    finally:
-        peft_experts.install()
-
-
 def step_split(step) -> dict:
     """GPU kernel time of one `step` inside top-level `mok::` ops, in ms (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -267,6 +255,7 @@ def main():
     from benchmarks.compiled_blocks import settle
     from benchmarks.moe_layer import time_in_rounds
     from benchmarks.power import ms_per_call
+    from mok_compile import peft_experts
     from mok_compile.backend import mok_backend
     from torch._dynamo.utils import counters
 
@@ -316,7 +305,7 @@ def main():
         compiled = torch.compile(model, backend=own, mode=args.mode)
         patch = {} if optimize_ddp is None else {"optimize_ddp": optimize_ddp}
 
-        peft_forward = _peft_as_shipped if "as shipped" in name else contextlib.nullcontext
+        peft_forward = peft_experts.shipped_forward if "as shipped" in name else contextlib.nullcontext
 
         def train_step(compiled=compiled, patch=patch, peft_forward=peft_forward):
             with torch._dynamo.config.patch(**patch), peft_forward():

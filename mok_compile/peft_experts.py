@@ -20,6 +20,7 @@ patch is PEFT's class's, so a compile with another backend in the same process t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -64,6 +65,17 @@ def uninstall() -> None:
     peft_forward = getattr(getattr(getattr(layer, "ParamWrapper", None), "forward", None), "peft_forward", None)
     if peft_forward is not None:
         layer.ParamWrapper.forward = peft_forward
+
+
+@contextlib.contextmanager
+def shipped_forward():
+    """PEFT's own forward for the code inside (what a compile without mok_compile traces: benchmarks' baselines),
+    the traceable one installed again after it."""
+    uninstall()
+    try:
+        yield
+    finally:
+        install()
 
 
 def traced_forward(layer, wrapper, x, args, kwargs):
