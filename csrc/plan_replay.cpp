@@ -11,7 +11,8 @@
 //   launches       Triton's C launch function, called with the argument tuple `_DirectLaunch` builds in Python:
 //                  the recorded constants, the stream, each tensor's address as an int (what Triton's launcher
 //                  reads of a tensor), and each descriptor's TMA map, kept by address in the step's own dict
-//                  (a miss calls back into Python, which encodes the map).
+//                  (a miss calls back into Python, which encodes the map); for Triton 3.7 and later, the kernel's
+//                  arguments as one tuple at the end.
 //   effects        free_storage: a tensor's storage resized to 0 bytes, as `untyped_storage().resize_(0)` does
 //                  (its memory back to the allocator; the consuming backward's release of h).
 //   Python steps   any other step (an op as recorded, a side effect, a launch through `kernel.run`) calls back
@@ -76,6 +77,7 @@ struct Step {
   py::tuple arguments;
   std::vector<std::pair<Py_ssize_t, int>> tensors;  // (position in the arguments, slot)
   std::vector<Descriptor> descriptors;
+  Py_ssize_t kernel_args_at = -1;  // Triton 3.7+: the kernel's arguments, from here on, go as one tuple
   // kPython
   py::object callback;  // callback(list of the tensors read, stream) -> the new tensors
 };
@@ -93,7 +95,8 @@ at::Device to_device(const py::handle& obj) {
 class Plan {
  public:
   // steps: (op, reads, ints, extra, release) tuples (plan_cpp.py); extra: (dtype, device) for empty, dtype for
-  // to(dtype), (function, arguments, [(position, slot)], [(position, slot, maps, encode)]) for a launch, the
+  // to(dtype), (function, arguments, [(position, slot)], [(position, slot, maps, encode)], kernel_args_at) for a
+  // launch (kernel_args_at: -1, or where the arguments that go as one tuple start), the
   // callback for a Python step (its ints: [how many new tensors it returns]), else None. result: (slot, None)
   // or (-1, constant) per item of the flat tuple the replay returns.
   Plan(const py::list& steps, const py::list& result, int n_inputs) : n_inputs_(n_inputs) {
@@ -137,6 +140,9 @@ class Plan {
             s.descriptors.push_back(
                 Descriptor{d[0].cast<Py_ssize_t>(), d[1].cast<int>(), d[2].cast<py::dict>(), d[3]});
           }
+          s.kernel_args_at = e[4].cast<Py_ssize_t>();
+          TORCH_CHECK(s.kernel_args_at < static_cast<Py_ssize_t>(s.arguments.size()),
+                      "mok plan replay: the kernel's arguments start past the launch's");
           break;
         }
         case kPython:
@@ -306,6 +312,13 @@ class Plan {
       py::int_ key(reinterpret_cast<uintptr_t>(base.data_ptr()));
       PyObject* map = PyDict_GetItem(d.maps.ptr(), key.ptr());  // borrowed
       put(d.position, map != nullptr ? py::reinterpret_borrow<py::object>(map) : d.encode(base));
+    }
+    if (s.kernel_args_at >= 0) {  // (lead..., (kernel arguments...))
+      py::tuple kernel_args = py::reinterpret_steal<py::tuple>(PyTuple_GetSlice(args.ptr(), s.kernel_args_at, n));
+      py::tuple lead = py::reinterpret_steal<py::tuple>(PyTuple_GetSlice(args.ptr(), 0, s.kernel_args_at));
+      if (!kernel_args || !lead) throw py::error_already_set();
+      args = py::reinterpret_steal<py::tuple>(PySequence_Concat(lead.ptr(), py::make_tuple(kernel_args).ptr()));
+      if (!args) throw py::error_already_set();
     }
     PyObject* done = PyObject_Call(s.function.ptr(), args.ptr(), nullptr);
     if (done == nullptr) throw py::error_already_set();

@@ -27,6 +27,7 @@ at import (`plan.enabled = False` at run time) turns plans off. Once its extensi
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import weakref
 
@@ -295,9 +296,11 @@ class _DirectLaunch:
     function of its tensor's address and of what the signature fixes (shape, strides, box, dtype), so the replay keeps
     the expanded arguments of each descriptor by address and calls the C function with what the wrappers would pass
     it. Only where that is exactly what they do: no scratch buffers, descriptors lowered to TMA maps (Triton's
-    `tensordesc_meta`), and a launcher laid out as Triton 3.6's; any other kernel launches through `kernel.run`."""
+    `tensordesc_meta`), and a launcher laid out as Triton 3.6's or 3.7's (`launch_layout`); any other kernel launches
+    through `kernel.run`. Triton 3.8 and later lay out their descriptor wrapper otherwise: their kernels with
+    descriptors launch through `kernel.run`, the others directly."""
 
-    __slots__ = ("fn", "args", "tensor_at", "desc_at")
+    __slots__ = ("fn", "args", "tensor_at", "desc_at", "kernel_args_at")
 
     @classmethod
     def of(cls, kernel, grid, values, given):
@@ -309,9 +312,12 @@ class _DirectLaunch:
 
     def __init__(self, kernel, grid, values, given):
         run = getattr(kernel, "run", None)
-        if (getattr(driver_module(), "_BASE_ARGS_FORMAT", None) != _C_LAUNCH_LEAD
-                or getattr(run, "global_scratch_size", 1) != 0 or getattr(run, "profile_scratch_size", 1) != 0
-                or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+        layout = launch_layout()
+        if (layout is None or getattr(run, "global_scratch_size", 1) != 0
+                or getattr(run, "profile_scratch_size", 1) != 0
+                or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")
+                or layout == "tuple" and (getattr(run, "gsan_enabled", False) or not hasattr(run, "arg_annotations")
+                                          or not hasattr(run, "kernel_signature"))):
             raise _NotDirect
         fn, desc_meta = _c_launch(run.launch)
         if sorted(desc_meta) != [i for i, v in enumerate(values) if isinstance(v, _Desc)] or any(
@@ -320,9 +326,17 @@ class _DirectLaunch:
         self.fn = fn
         # The C function's arguments: the grid, the stream (per call), the kernel and its launch options, then the
         # values with each descriptor expanded in place: its TMA map (per call), then its shape and strides, as
-        # Triton's `make_tensordesc_arg` returns them.
-        self.args = [*grid, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
-                     kernel.packed_metadata, None, None, None]
+        # Triton's `make_tensordesc_arg` returns them. Triton 3.7 takes the values as one tuple, after the
+        # launcher's argument annotations and signature (`kernel_args_at`: where they start in `args`).
+        if layout == "flat":
+            self.args = [*grid, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                         kernel.packed_metadata, None, None, None]
+            self.kernel_args_at = None
+        else:
+            self.args = [*grid, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl,
+                         kernel.packed_metadata, None, None, None, None, None, run.arg_annotations,
+                         run.kernel_signature]
+            self.kernel_args_at = len(self.args)
         self.tensor_at, self.desc_at = [], []
         for i, v in enumerate(values):
             if isinstance(v, _Desc):
@@ -344,7 +358,11 @@ class _DirectLaunch:
             base = slots[d.slot]
             tma = maps.get(base.data_ptr())
             args[i] = tma if tma is not None else tma_map(maps, d, meta, base)
-        self.fn(*args)
+        k = self.kernel_args_at
+        if k is None:
+            self.fn(*args)
+        else:
+            self.fn(*args[:k], tuple(args[k:]))
 
 
 def tma_map(maps, d, meta, base):
@@ -357,8 +375,13 @@ def tma_map(maps, d, meta, base):
 
 
 # The C launch function's leading arguments, as Triton 3.6 lays them out (grid, stream, function, cooperative, PDL,
-# two scratch buffers, metadata, launch metadata, two hooks): another layout launches through `kernel.run`.
+# two scratch buffers, metadata, launch metadata, two hooks), the kernel's arguments after them.
 _C_LAUNCH_LEAD = "iiiKKppOOOOOO"
+# Triton 3.7's one launch function for every kernel, as its C source (driver.c, compiled on first use) parses its
+# arguments: the grid, stream, function, cooperative, PDL, the kernel's packed metadata, launch metadata, two hooks,
+# two scratch buffers, the argument annotations, the signature, then the kernel's arguments as one tuple (3.8 and
+# 3.9 parse the same).
+_C_LAUNCH_TUPLE = 'PyArg_ParseTuple(args, "iiiKKpp(iii)OOOOOOy*O"'
 # TMA maps kept per descriptor argument of a step, by address: one per layer's weight (a plan serves every layer of
 # its signature, in turn: fewer maps than layers would encode one on every launch; Qwen3-235B has 94 layers) and
 # the reused buffers' few. 128 bytes each.
@@ -371,8 +394,8 @@ class _NotDirect(Exception):
 
 def _c_launch(launch_fn):
     """(the C launch function, {argument position: its TMA metadata} of the host-side descriptors it is given) of a
-    Triton launcher's `launch`: itself where the kernel takes no descriptors, else the function Triton 3.6's
-    `wrap_handle_tensordesc` closes over."""
+    Triton launcher's `launch`: itself where the kernel takes no descriptors, else the function Triton 3.6's (and
+    3.7's) `wrap_handle_tensordesc` closes over."""
     code = getattr(launch_fn, "__code__", None)
     if code is None:  # the C function itself: no descriptor arguments
         return launch_fn, {}
@@ -384,6 +407,20 @@ def _c_launch(launch_fn):
     if len(cells) != 3 or getattr(fn, "__code__", None) is not None or len(metas) != len(indices):
         raise _NotDirect
     return fn, dict(zip(sorted(indices), metas))
+
+
+@functools.cache
+def launch_layout():
+    """How the installed Triton's C launch function takes its arguments: "flat" (Triton 3.6: after the leading
+    `_C_LAUNCH_LEAD`), "tuple" (3.7 and later: `_C_LAUNCH_TUPLE`), or None (another layout: no direct launches)."""
+    driver = driver_module()
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) == _C_LAUNCH_LEAD:
+        return "flat"
+    try:
+        with open(os.path.join(os.path.dirname(driver.__file__), "driver.c")) as f:
+            return "tuple" if _C_LAUNCH_TUPLE in f.read() else None
+    except OSError:
+        return None
 
 
 def driver_module():

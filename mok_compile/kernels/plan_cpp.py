@@ -139,7 +139,8 @@ def _native(step):
         descs = [(i, d.slot, maps, functools.partial(plan.tma_map, maps, d, meta)) for i, d, meta, maps in
                  direct.desc_at]
         reads = [slot for _, slot in direct.tensor_at] + [d.slot for _, d, _, _ in direct.desc_at]
-        return "launch", reads, [], (direct.fn, tuple(direct.args), list(direct.tensor_at), descs), 0
+        kernel_args_at = -1 if direct.kernel_args_at is None else direct.kernel_args_at
+        return "launch", reads, [], (direct.fn, tuple(direct.args), list(direct.tensor_at), descs, kernel_args_at), 0
     if kind is not plan._CALL:
         raise _Untranslatable
     fn, reads = step[1], list(step[2])

@@ -12,7 +12,7 @@ import torch
 
 from mok_compile.kernels import moe, plan, plan_cpp
 from tests.kernels.cases import VARIANTS as CASE_VARIANTS, make_case
-from tests.kernels.test_direct_launch import _Kernel, _step, maps  # noqa: F401  (maps: a fixture)
+from tests.kernels.test_direct_launch import _Kernel, _step, launcher, maps, split  # noqa: F401  (fixtures)
 from tests.kernels.test_plan import (  # noqa: F401  (fresh_plans, stubbed: fixtures)
     _labels, assert_replay_equals_plans_off, fresh_plans, stubbed, training_step_case)
 
@@ -122,8 +122,8 @@ def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does
     def backward(go):
         log.clear()
         grads = moe.fused_moe_backward(go, None, *tensors, w, ids, gate_up_out=h, router_logits=logits,
-                                       routing_layout=layout, **kw)
-        return grads, _labels(log, (go, None, *tensors, w, ids, h, logits, layout))
+                                       routing_launcher=launcher, **kw)
+        return grads, _labels(log, (go, None, *tensors, w, ids, h, logits, launcher))
 
     (replayed, replayed_log), (normal, normal_log), cpp = _replayed_and_normal(
         backward, moe._BACKWARD_PLANS, lambda: torch.randn_like(tensors[0]))
@@ -132,12 +132,13 @@ def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does
         assert (r is None) == (n is None) and (r is None or (r.shape, r.dtype) == (n.shape, n.dtype))
 
 
-def test_a_direct_launch_in_cpp_passes_what_the_python_replay_passes(extension, maps, stream, monkeypatch):
-    """Triton's own launcher over a stand-in C function: the same arguments as the Python direct launch, but each
-    tensor as its address (what Triton's launcher reads of it); one TMA map per address, in the step's dict."""
+def test_a_direct_launch_in_cpp_passes_what_the_python_replay_passes(extension, maps, stream, monkeypatch, launcher):
+    """Triton's own launcher (3.6) or a model of 3.7's over a stand-in C function: the same arguments as the Python
+    direct launch, but each tensor as its address (what Triton's launcher reads of it); one TMA map per address, in
+    the step's dict; for 3.7, the kernel's arguments as one tuple at the end."""
     log = []
     a, b, c = torch.randn(8), torch.randn(128, 32), torch.randn(128, 32)
-    recorded = plan.Plan([_step(_Kernel(log), a, b)], (), 2)
+    recorded = plan.Plan([_step(_Kernel(log, launcher=launcher), a, b)], (), 2)
     cpp = plan_cpp.translate(recorded)
     assert cpp and _names(cpp, extension) == ["launch"]
     maps.clear()
@@ -147,22 +148,26 @@ def test_a_direct_launch_in_cpp_passes_what_the_python_replay_passes(extension, 
         via_cpp = log[-1]
         recorded.replay_in_python((a, base))
         via_python = log[-1]
-        assert len(via_cpp) == len(via_python) and via_cpp[:13] == via_python[:13]
-        assert via_cpp[13] == a.data_ptr() and via_python[13] is a
-        assert via_cpp[14] is via_python[14] and via_cpp[14][1] == base.data_ptr()  # the same kept map
-        assert via_cpp[15:] == via_python[15:]
+        assert len(via_cpp) == len(via_python) == (21 if launcher == "triton-3.6" else 16)
+        (lead, args), (py_lead, py_args) = split(via_cpp, launcher), split(via_python, launcher)
+        assert lead == py_lead and len(args) == len(py_args) == 8  # a, the map, shape and strides, 5, 16
+        assert args[0] == a.data_ptr() and py_args[0] is a
+        assert args[1] is py_args[1] and args[1][1] == base.data_ptr()  # the same kept map
+        assert args[2:] == py_args[2:]
     assert maps == [c.data_ptr()]  # (b's map: encoded when the launch was recorded)
 
 
-def test_a_plan_replays_in_cpp_only_with_direct_launches_and_the_switch_on(extension, maps, stream, monkeypatch):
+def test_a_plan_replays_in_cpp_only_with_direct_launches_and_the_switch_on(extension, maps, stream, monkeypatch,
+                                                                          launcher):
     log = []
     a, b = torch.randn(8), torch.randn(128, 32)
-    recorded = plan.Plan([_step(_Kernel(log), a, b)], (), 2)
+    recorded = plan.Plan([_step(_Kernel(log, launcher=launcher), a, b)], (), 2)
     for direct, on, via_cpp in ((True, True, True), (False, True, False), (True, False, False)):
         monkeypatch.setattr(plan, "direct_launch", direct)
         monkeypatch.setattr(plan_cpp, "enabled", on)
         recorded.replay((a, b))
-        assert (log[-1][13] == a.data_ptr() if via_cpp else log[-1][13] is a), (direct, on)
+        first = split(log[-1], launcher)[1][0]
+        assert (first == a.data_ptr() if via_cpp else first is a), (direct, on)
     assert recorded.cpp
 
 
