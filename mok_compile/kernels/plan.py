@@ -296,9 +296,8 @@ class _DirectLaunch:
     function of its tensor's address and of what the signature fixes (shape, strides, box, dtype), so the replay keeps
     the expanded arguments of each descriptor by address and calls the C function with what the wrappers would pass
     it. Only where that is exactly what they do: no scratch buffers, descriptors lowered to TMA maps (Triton's
-    `tensordesc_meta`), and a launcher laid out as Triton 3.6's or 3.7's (`launch_layout`); any other kernel launches
-    through `kernel.run`. Triton 3.8 and later lay out their descriptor wrapper otherwise: their kernels with
-    descriptors launch through `kernel.run`, the others directly."""
+    `tensordesc_meta`), and a launcher laid out as Triton 3.6's or 3.7-3.9's (`launch_layout`, `_c_launch`); any other
+    kernel launches through `kernel.run`."""
 
     __slots__ = ("fn", "args", "tensor_at", "desc_at", "kernel_args_at")
 
@@ -319,14 +318,14 @@ class _DirectLaunch:
                 or layout == "tuple" and (getattr(run, "gsan_enabled", False) or not hasattr(run, "arg_annotations")
                                           or not hasattr(run, "kernel_signature"))):
             raise _NotDirect
-        fn, desc_meta = _c_launch(run.launch)
+        fn, desc_meta, encode = _c_launch(run.launch)
         if sorted(desc_meta) != [i for i, v in enumerate(values) if isinstance(v, _Desc)] or any(
                 meta is None for meta in desc_meta.values()):
             raise _NotDirect
         self.fn = fn
         # The C function's arguments: the grid, the stream (per call), the kernel and its launch options, then the
         # values with each descriptor expanded in place: its TMA map (per call), then its shape and strides, as
-        # Triton's `make_tensordesc_arg` returns them. Triton 3.7 takes the values as one tuple, after the
+        # Triton's `make_tensordesc_arg` returns them. Triton 3.7 and later take the values as one tuple, after the
         # launcher's argument annotations and signature (`kernel_args_at`: where they start in `args`).
         if layout == "flat":
             self.args = [*grid, None, kernel.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
@@ -340,8 +339,9 @@ class _DirectLaunch:
         self.tensor_at, self.desc_at = [], []
         for i, v in enumerate(values):
             if isinstance(v, _Desc):
-                tma, *geometry = driver_module().make_tensordesc_arg(given[i], desc_meta[i])
-                self.desc_at.append((len(self.args), v, desc_meta[i], {given[i].base.data_ptr(): tma}))
+                encoder = functools.partial(encode, meta=desc_meta[i])
+                tma, *geometry = encoder(given[i])
+                self.desc_at.append((len(self.args), v, encoder, {given[i].base.data_ptr(): tma}))
                 self.args.extend([None, *geometry])
             elif isinstance(v, _Slot):
                 self.tensor_at.append((len(self.args), v.index))
@@ -354,10 +354,10 @@ class _DirectLaunch:
         args[3] = stream
         for i, index in self.tensor_at:
             args[i] = slots[index]
-        for i, d, meta, maps in self.desc_at:
+        for i, d, encoder, maps in self.desc_at:
             base = slots[d.slot]
             tma = maps.get(base.data_ptr())
-            args[i] = tma if tma is not None else tma_map(maps, d, meta, base)
+            args[i] = tma if tma is not None else tma_map(maps, d, encoder, base)
         k = self.kernel_args_at
         if k is None:
             self.fn(*args)
@@ -365,12 +365,13 @@ class _DirectLaunch:
             self.fn(*args[:k], tuple(args[k:]))
 
 
-def tma_map(maps, d, meta, base):
-    """The TMA map of descriptor `d` (a `_Desc`, Triton's `meta`) over `base`, encoded and kept in `maps` by address."""
+def tma_map(maps, d, encoder, base):
+    """The TMA map of descriptor `d` (a `_Desc`) over `base`, encoded (`encoder(descriptor)`: Triton's expansion of
+    it, its TMA map first) and kept in `maps` by address."""
     if len(maps) >= _MAX_MAPS:
         maps.clear()
     desc = TensorDescriptor(base, d.shape, d.strides, d.block_shape, d.padding)
-    tma = maps[base.data_ptr()] = driver_module().make_tensordesc_arg(desc, meta)[0]
+    tma = maps[base.data_ptr()] = encoder(desc)[0]
     return tma
 
 
@@ -393,20 +394,37 @@ class _NotDirect(Exception):
 
 
 def _c_launch(launch_fn):
-    """(the C launch function, {argument position: its TMA metadata} of the host-side descriptors it is given) of a
-    Triton launcher's `launch`: itself where the kernel takes no descriptors, else the function Triton 3.6's (and
-    3.7's) `wrap_handle_tensordesc` closes over."""
+    """(the C launch function, {argument position: its TMA metadata} of the host-side descriptors it is given, how a
+    descriptor is expanded: `encode(descriptor, meta=...)`) of a Triton launcher's `launch`: itself where the kernel
+    takes no descriptors, else the function that `wrap_handle_tensordesc` closes over, as Triton 3.6 and 3.7 lay it
+    out (descriptors at `tensordesc_indices`, expanded by the driver's `make_tensordesc_arg`) or 3.8 and 3.9 (at the
+    keys of `relevant_paths`, none inside a tuple argument, expanded by the `make_tensordesc_arg` it holds)."""
     code = getattr(launch_fn, "__code__", None)
     if code is None:  # the C function itself: no descriptor arguments
-        return launch_fn, {}
+        return launch_fn, {}, None
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch_fn.__closure__ or ())))
-    try:
-        fn, indices, metas = cells["launcher"], cells["tensordesc_indices"], cells["tensordesc_meta"]
-    except KeyError:
-        raise _NotDirect from None
-    if len(cells) != 3 or getattr(fn, "__code__", None) is not None or len(metas) != len(indices):
+    if set(cells) == {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        indices, encode = cells["tensordesc_indices"], _encode_by_driver
+    elif set(cells) == {"launcher", "make_tensordesc_arg", "relevant_paths", "signature", "tensordesc_meta"}:
+        if any(cells["relevant_paths"].values()):  # a descriptor inside a tuple argument
+            raise _NotDirect
+        indices, encode = cells["relevant_paths"].keys(), functools.partial(_encode_by, cells["make_tensordesc_arg"])
+    else:
         raise _NotDirect
-    return fn, dict(zip(sorted(indices), metas))
+    fn, metas = cells["launcher"], cells["tensordesc_meta"]
+    if getattr(fn, "__code__", None) is not None or len(metas) != len(indices):
+        raise _NotDirect
+    return fn, dict(zip(sorted(indices), metas)), encode
+
+
+def _encode_by_driver(desc, meta):
+    """Triton 3.6's and 3.7's expansion of a descriptor argument (TMA map, shape, strides), as their wrapper calls it."""
+    return driver_module().make_tensordesc_arg(desc, meta)
+
+
+def _encode_by(make_tensordesc_arg, desc, meta):
+    """Triton 3.8's and 3.9's: their wrapper also passes the launch's leading arguments, which NVIDIA's ignores."""
+    return make_tensordesc_arg(desc, meta, None)
 
 
 @functools.cache

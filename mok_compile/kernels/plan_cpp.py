@@ -136,7 +136,7 @@ def _native(step):
         direct = step[1].direct
         if direct is None:
             raise _Untranslatable
-        descs = [(i, d.slot, maps, functools.partial(plan.tma_map, maps, d, meta)) for i, d, meta, maps in
+        descs = [(i, d.slot, maps, functools.partial(plan.tma_map, maps, d, encoder)) for i, d, encoder, maps in
                  direct.desc_at]
         reads = [slot for _, slot in direct.tensor_at] + [d.slot for _, d, _, _ in direct.desc_at]
         kernel_args_at = -1 if direct.kernel_args_at is None else direct.kernel_args_at

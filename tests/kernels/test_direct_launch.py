@@ -1,10 +1,10 @@
 """A launch plan's direct launches (`plan._DirectLaunch`) on the CPU: the C launch function of Triton's launcher gets
 the arguments that `kernel.run` would give it, with a stand-in for the compiled C function and for the TMA map encoding
-(both need a GPU). Two layouts of that function (`plan.launch_layout`): Triton 3.6's ("flat"), and 3.7's ("tuple": the
-kernel's arguments as one tuple after the argument annotations and signature). Each through Triton's own
-`CudaLauncher.__call__` and descriptor wrapper where the installed Triton is that version, and 3.7's also through
-`_Launcher37`, a model of its launcher, on any Triton. The GPU tests replay the real kernels this way (`test_plan.py`:
-bit for bit the normal path's outputs)."""
+(both need a GPU). Two layouts of that function (`plan.launch_layout`): Triton 3.6's ("flat"), and 3.7's to 3.9's
+("tuple": the kernel's arguments as one tuple after the argument annotations and signature). Each through Triton's own
+`CudaLauncher.__call__` and descriptor wrapper where the installed Triton has that layout, and the tuple layout also
+through `_Launcher37`, a model of its launcher, with models of 3.7's and 3.8's descriptor wrappers, on any Triton. The
+GPU tests replay the real kernels this way (`test_plan.py`: bit for bit the normal path's outputs)."""
 
 import functools
 
@@ -17,8 +17,8 @@ from mok_compile.kernels import plan
 
 SIGNATURE = {"a_ptr": "*bf16", "b_desc": "tensordesc<bf16[64, 32]>", "n": "i32", "BLOCK": "constexpr"}
 META = [{"swizzle": 3, "elem_size": 2, "elem_type": "bf16", "block_size": [64, 32], "fp4_padded": False}]
-# Triton's own launcher of the installed Triton, where it is 3.6 or 3.7, and a model of 3.7's on any Triton.
-LAUNCHERS = ("triton-3.6", "triton-3.7", "model-3.7")
+# Triton's own launcher of the installed Triton (3.6's layout, or 3.7's to 3.9's), and models of 3.7's and 3.8's.
+LAUNCHERS = ("triton-3.6", "triton-3.7+", "model-3.7", "model-3.8")
 # What a layout's C function gets before the kernel's arguments (the stream at 3; 13: Triton 3.6's launch metadata and
 # hooks, 15: 3.7's scratch buffers and its stand-in annotations and signature, then the arguments' tuple).
 FLAT_LEAD = (3, 2, 1, 1234, 77, False, False, None, None, (4, 1, 0), None, None, None)
@@ -52,6 +52,25 @@ def _wrap_descriptors_37(launcher, signature, tensordesc_meta):
     return inner
 
 
+def _wrap_descriptors_38(launcher, signature, tensordesc_meta, make_tensordesc_arg=None):
+    """Triton 3.8's (and 3.9's) descriptor wrapper as it behaves: the same expansion, by the `make_tensordesc_arg` it
+    was given, which also gets the launch's leading arguments; descriptors found by path (`relevant_paths`), also
+    inside tuple arguments."""
+    make_tensordesc_arg = make_tensordesc_arg or driver.make_tensordesc_arg
+    signature = tuple(signature.values())
+    relevant_paths = {i: {} for i, sig in enumerate(signature) if str(sig).startswith("tensordesc")}
+
+    def inner(*args):
+        assert len(args[-1]) == len(signature)
+        metas = iter(tensordesc_meta)
+        expanded = []
+        for i, arg in enumerate(args[-1]):
+            expanded.extend(make_tensordesc_arg(arg, next(metas), args[:-1]) if i in relevant_paths else [arg])
+        return launcher(*args[:-1], expanded)
+
+    return inner
+
+
 class _Launcher37:
     """Triton 3.7's `CudaLauncher` as it calls its C function (checked against the real one on a GPU, NOTES v82):
     one function for every kernel, given the launch's metadata and hooks, two scratch buffers (none here), the
@@ -76,13 +95,14 @@ class _Kernel:
 
     def __init__(self, log, signature=SIGNATURE, meta=META, scratch=0, launcher="triton-3.6"):
         c_launch = functools.partial(_c_launch, log)
-        if launcher == "model-3.7":
+        if launcher.startswith("model"):
             run = _Launcher37()
-            wrap = _wrap_descriptors_37
+            wrap = _wrap_descriptors_37 if launcher == "model-3.7" else _wrap_descriptors_38
         else:
             run = object.__new__(driver.CudaLauncher)
             run.num_ctas, run.launch_cooperative_grid, run.launch_pdl = 1, False, False
             run.arg_annotations, run.kernel_signature = _Launcher37.arg_annotations, _Launcher37.kernel_signature
+            run.gsan_enabled = False  # (3.8 and later: the global sanitizer, off)
             wrap = driver.wrap_handle_tensordesc
         run.launch = wrap(c_launch, signature, meta) if meta is not None else c_launch
         run.global_scratch_size = run.profile_scratch_size = scratch
@@ -92,18 +112,16 @@ class _Kernel:
 
 @pytest.fixture(params=LAUNCHERS)
 def launcher(request, monkeypatch):
-    """The launcher under test: Triton's own needs that Triton installed; the model of 3.7's runs on any, with
+    """The launcher under test: Triton's own needs a Triton of that layout installed; the models run on any, with
     `plan.launch_layout` saying "tuple"."""
-    installed = plan.launch_layout()
-    if request.param == "model-3.7":
+    if request.param.startswith("model"):
         monkeypatch.setattr(plan, "launch_layout", lambda: "tuple")
-    elif installed != ("flat" if request.param == "triton-3.6" else "tuple"):
+    elif plan.launch_layout() != ("flat" if request.param == "triton-3.6" else "tuple"):
         pytest.skip(f"the installed Triton's launcher is not laid out as {request.param}'s")
-    elif request.param == "triton-3.7":
-        try:  # 3.8 and later wrap descriptors otherwise: their kernels with descriptors launch through kernel.run
-            plan._c_launch(driver.wrap_handle_tensordesc(functools.partial(print), SIGNATURE, META))
-        except plan._NotDirect:
-            pytest.skip("the installed Triton's descriptor wrapper is not laid out as Triton 3.7's")
+    elif request.param == "triton-3.7+":  # 3.8's launcher reads the active driver first (none without a GPU)
+        import triton.runtime
+
+        monkeypatch.setattr(triton.runtime.driver, "_active", object())
     return request.param
 
 
@@ -112,7 +130,7 @@ def maps(monkeypatch):
     """TMA maps encoded (a stand-in for the driver call): each a tuple naming its address, logged."""
     encoded = []
 
-    def make_tensordesc_arg(arg, meta):
+    def make_tensordesc_arg(arg, meta, _leading_args=None):  # (3.8 and later pass the launch's leading arguments)
         encoded.append(arg.base.data_ptr())
         return [("map", arg.base.data_ptr(), tuple(arg.block_shape), meta["swizzle"]), *arg.shape, *arg.strides]
 
@@ -185,7 +203,7 @@ def test_a_kernel_without_descriptors_launches_directly(maps, monkeypatch, launc
 
 
 @pytest.mark.parametrize("case", ["scratch", "descriptor without TMA", "unknown launcher", "no launcher",
-                                  "another argument layout", "sanitizer"])
+                                  "another argument layout", "sanitizer", "descriptor in a tuple"])
 def test_kernels_the_direct_path_cannot_launch_exactly_go_through_kernel_run(maps, monkeypatch, launcher, case):
     log = []
     a, b = torch.randn(8), torch.randn(128, 32)
@@ -194,16 +212,20 @@ def test_kernels_the_direct_path_cannot_launch_exactly_go_through_kernel_run(map
         kernel = _Kernel(log, scratch=128, launcher=launcher)
     elif case == "descriptor without TMA":  # its descriptors passed as pointer, shape and strides
         kernel = _Kernel(log, meta=[None], launcher=launcher)
-    elif case == "unknown launcher":  # a wrapper laid out otherwise than Triton 3.6's and 3.7's (3.8's, for one)
+    elif case == "unknown launcher":  # a wrapper laid out otherwise than Triton 3.6's to 3.9's
         kernel.run.launch = lambda *args: log.append(args)
     elif case == "no launcher":
         kernel.run = lambda *args: log.append(args)
     elif case == "another argument layout":  # a Triton whose C launch function takes other arguments
         monkeypatch.setattr(plan, "launch_layout", lambda: None)
-    elif launcher != "triton-3.6":  # Triton 3.8's global sanitizer adds an argument per launch
+    elif case == "sanitizer" and launcher != "triton-3.6":  # Triton 3.8's global sanitizer adds arguments
         kernel.run.gsan_enabled = True
+    elif case == "descriptor in a tuple" and launcher == "model-3.8":  # 3.8's wrapper finds those by path
+        wrapper = kernel.run.launch
+        cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__)))
+        cells["relevant_paths"][1] = {0: {}}
     else:
-        pytest.skip("Triton 3.6 has no sanitizer")
+        pytest.skip(f"{launcher} has no such case")
     assert _step(kernel, a, b).direct is None
 
 
