@@ -418,7 +418,8 @@ def _c_launch(launch_fn):
 
 
 def _encode_by_driver(desc, meta):
-    """Triton 3.6's and 3.7's expansion of a descriptor argument (TMA map, shape, strides), as their wrapper calls it."""
+    """Triton 3.6's and 3.7's expansion of a descriptor argument (TMA map, shape, strides), as their wrapper makes
+    it."""
     return driver_module().make_tensordesc_arg(desc, meta)
 
 
