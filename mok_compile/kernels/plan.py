@@ -42,6 +42,10 @@ enabled = os.environ.get("MOK_LAUNCH_PLAN", "1") != "0"
 # MOK_DIRECT_LAUNCH=0 (read at import) or `plan.direct_launch = False`: replays launch through `kernel.run`, not
 # through Triton's C launch function directly (`_DirectLaunch`).
 direct_launch = os.environ.get("MOK_DIRECT_LAUNCH", "1") != "0"
+# MOK_DIRECT_LAUNCH_37=1 (read at import) or `plan.tuple_layout = True`: direct launches under Triton 3.7-3.9 too
+# (`launch_layout` "tuple"). Off until a GPU run checks them: they were checked against those Tritons' own launchers
+# on the CPU only (benchmarks/NOTES-gpu.md v82); without them such a Triton launches through `kernel.run`.
+tuple_layout = os.environ.get("MOK_DIRECT_LAUNCH_37", "0") == "1"
 
 # Environment switches the kernels' Python reads per call (configs.py, moe.py, router_gemm.py, library.py, __init__.py).
 SWITCHES = ("MOK_TMA", "MOK_GROUP_M", "MOK_HALF_TAIL", "MOK_GEMM_ENGINE", "MOK_ROUTER_GEMM",
@@ -312,7 +316,7 @@ class _DirectLaunch:
     def __init__(self, kernel, grid, values, given):
         run = getattr(kernel, "run", None)
         layout = launch_layout()
-        if (layout is None or getattr(run, "global_scratch_size", 1) != 0
+        if (layout is None or layout == "tuple" and not tuple_layout or getattr(run, "global_scratch_size", 1) != 0
                 or getattr(run, "profile_scratch_size", 1) != 0
                 or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")
                 or layout == "tuple" and (getattr(run, "gsan_enabled", False) or not hasattr(run, "arg_annotations")

@@ -114,6 +114,8 @@ class _Kernel:
 def launcher(request, monkeypatch):
     """The launcher under test: Triton's own needs a Triton of that layout installed; the models run on any, with
     `plan.launch_layout` saying "tuple"."""
+    if request.param != "triton-3.6":
+        monkeypatch.setattr(plan, "tuple_layout", True)  # (opt-in until a GPU run checks it)
     if request.param.startswith("model"):
         monkeypatch.setattr(plan, "launch_layout", lambda: "tuple")
     elif plan.launch_layout() != ("flat" if request.param == "triton-3.6" else "tuple"):
@@ -250,3 +252,12 @@ def test_the_launch_layout_is_read_from_the_driver(tmp_path, monkeypatch, source
         assert plan.launch_layout() is None
     finally:
         plan.launch_layout.cache_clear()
+
+
+def test_the_tuple_layout_launches_directly_only_when_asked(maps, monkeypatch):
+    """Until a GPU run checks them, Triton 3.7-3.9's direct launches are opt-in (MOK_DIRECT_LAUNCH_37=1)."""
+    monkeypatch.setattr(plan, "launch_layout", lambda: "tuple")
+    a, b = torch.randn(8), torch.randn(128, 32)
+    for asked in (False, True):
+        monkeypatch.setattr(plan, "tuple_layout", asked)
+        assert (_step(_Kernel([], launcher="model-3.7"), a, b).direct is not None) == asked
