@@ -122,8 +122,8 @@ def test_a_forward_and_backward_replayed_in_cpp_launch_what_the_normal_path_does
     def backward(go):
         log.clear()
         grads = moe.fused_moe_backward(go, None, *tensors, w, ids, gate_up_out=h, router_logits=logits,
-                                       routing_launcher=launcher, **kw)
-        return grads, _labels(log, (go, None, *tensors, w, ids, h, logits, launcher))
+                                       routing_layout=layout, **kw)
+        return grads, _labels(log, (go, None, *tensors, w, ids, h, logits, layout))
 
     (replayed, replayed_log), (normal, normal_log), cpp = _replayed_and_normal(
         backward, moe._BACKWARD_PLANS, lambda: torch.randn_like(tensors[0]))
