@@ -316,10 +316,11 @@ class _DirectLaunch:
     def __init__(self, kernel, grid, values, given):
         run = getattr(kernel, "run", None)
         layout = launch_layout()
-        if (layout is None or layout == "tuple" and not tuple_layout or getattr(run, "global_scratch_size", 1) != 0
+        if (layout is None or getattr(run, "global_scratch_size", 1) != 0
                 or getattr(run, "profile_scratch_size", 1) != 0
                 or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")
-                or layout == "tuple" and (getattr(run, "gsan_enabled", False) or not hasattr(run, "arg_annotations")
+                or layout == "tuple" and (not tuple_layout or getattr(run, "gsan_enabled", False)
+                                          or not hasattr(run, "arg_annotations")
                                           or not hasattr(run, "kernel_signature"))):
             raise _NotDirect
         fn, desc_meta, encode = _c_launch(run.launch)

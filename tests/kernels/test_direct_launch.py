@@ -72,7 +72,8 @@ def _wrap_descriptors_38(launcher, signature, tensordesc_meta, make_tensordesc_a
 
 
 class _Launcher37:
-    """Triton 3.7's `CudaLauncher` as it calls its C function (checked against the real one on a GPU, NOTES v82):
+    """Triton 3.7's `CudaLauncher` as it calls its C function (read from its source; the same tests pass through the
+    real one where Triton 3.7 or 3.8 is installed, NOTES v82):
     one function for every kernel, given the launch's metadata and hooks, two scratch buffers (none here), the
     argument annotations and signature, then the kernel's arguments as one sequence."""
 
@@ -88,8 +89,8 @@ class _Launcher37:
 
 
 class _Kernel:
-    """A compiled kernel whose launcher is Triton's own (3.6 or 3.7) or `_Launcher37` over a stand-in C launch
-    function."""
+    """A compiled kernel whose launcher is Triton's own (3.6's, or 3.7's to 3.9's) or `_Launcher37` over a stand-in C
+    launch function."""
 
     function, packed_metadata, name = 77, (4, 1, 0), "k"
 
