@@ -73,7 +73,7 @@ def _wrap_descriptors_38(launcher, signature, tensordesc_meta, make_tensordesc_a
 
 class _Launcher37:
     """Triton 3.7's `CudaLauncher` as it calls its C function (read from its source; the same tests pass through the
-    real one where Triton 3.7 or 3.8 is installed, NOTES v82):
+    real one where Triton 3.7, 3.8 or 3.9 is installed, NOTES v82-v83):
     one function for every kernel, given the launch's metadata and hooks, two scratch buffers (none here), the
     argument annotations and signature, then the kernel's arguments as one sequence."""
 
